@@ -1,0 +1,189 @@
+"""`memfit budget`, and the `train` / `eval` dispatcher every system shares.
+
+uv puts every workspace member's scripts in one venv ``bin/``, so two members that both declared ``train``
+would overwrite each other. Core owns ``train`` and ``eval`` alone and picks the system: ``--system S``,
+else the ``--package`` of the ``uv run`` that started us, else the only installed system, else an error
+that lists the choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from memfit.system import BudgetEntry, available_systems, load_system
+
+# ----------------------------------------------------------------------------------------------------
+# train / eval dispatcher
+# ----------------------------------------------------------------------------------------------------
+
+
+def _uv_run_package(max_depth: int = 4) -> str | None:
+    """The X of an ancestor `uv run --package X ...` process (Linux /proc), or None."""
+    pid = os.getpid()
+    for _ in range(max_depth):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            pid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, StopIteration, ValueError):
+            return None
+        if pid <= 1:
+            return None
+        if argv and Path(argv[0]).name.startswith("uv") and "run" in argv:
+            for i, arg in enumerate(argv):
+                if arg == "--package" and i + 1 < len(argv):
+                    return argv[i + 1]
+                if arg.startswith("--package="):
+                    return arg.split("=", 1)[1]
+            return None
+    return None
+
+
+def pick_system(argv: list[str]) -> tuple[str, list[str]]:
+    """Decide which system a `train`/`eval` call is for; returns (name, remaining argv)."""
+    systems = available_systems()
+    choices = ", ".join(sorted(systems)) or "(none installed)"
+    rest = list(argv)
+    for i, arg in enumerate(rest):
+        if arg == "--system" or arg.startswith("--system="):
+            if "=" in arg:
+                name = arg.split("=", 1)[1]
+                del rest[i]
+            else:
+                if i + 1 >= len(rest):
+                    raise SystemExit(f"error: --system needs a name; installed systems: {choices}")
+                name = rest[i + 1]
+                del rest[i : i + 2]
+            break
+    else:
+        name = os.environ.get("MEMFIT_SYSTEM") or _uv_run_package()
+        if name is None or name not in systems:
+            if name is not None and name not in systems:
+                # `uv run --package memfit-core train`: a package, but not a system
+                name = None
+            if name is None and len(systems) == 1:
+                name = next(iter(systems))
+    if name is None:
+        raise SystemExit(
+            "error: which system? Several are installed; say `uv run --package <system> train` or "
+            f"`train --system <system>`. Installed systems: {choices}"
+        )
+    if name not in systems:
+        raise SystemExit(f"error: unknown system {name!r}; installed systems: {choices}")
+    return name, rest
+
+
+def _dispatch(kind: str, argv: list[str] | None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv in (["--list"], ["--list-systems"]):
+        for name in sorted(available_systems()):
+            print(name)
+        return
+    name, rest = pick_system(argv)
+    system = load_system(name)
+    sys.argv[0] = f"{name} {kind}"  # argparse's prog: `--help` says which system answered
+    result = getattr(system, kind)(rest)
+    if isinstance(result, int) and result:
+        raise SystemExit(result)
+
+
+def train_main(argv: list[str] | None = None) -> None:
+    """`train [--system S] ...`: the chosen system's trainer."""
+    _dispatch("train", argv)
+
+
+def eval_main(argv: list[str] | None = None) -> None:
+    """`eval [--system S] ...`: the chosen system's evaluation."""
+    _dispatch("eval", argv)
+
+
+# ----------------------------------------------------------------------------------------------------
+# memfit budget
+# ----------------------------------------------------------------------------------------------------
+
+
+def budget_rows(system: str | None = None) -> list[dict]:
+    """Estimate every registered (system, variant) paper-size step; one dict per row (see DESIGN.md)."""
+    from memfit.memory import estimate_training_step
+
+    names = sorted(available_systems()) if system is None else [system]
+    rows = []
+    for name in names:
+        sys_obj = load_system(name)
+        entries: list[BudgetEntry] = sys_obj.budgets()
+        for e in entries:
+            report = estimate_training_step(e.step)
+            rows.append(
+                {
+                    "system": name,
+                    "variant": e.variant,
+                    "config": e.config,
+                    "batch": e.batch,
+                    "dtype": e.dtype,
+                    "params": report.params,
+                    "estimated_gib": round(report.peak_gib, 4),
+                    "budget_gib": None if e.is_baseline else e.budget_gib,
+                    "is_baseline": e.is_baseline,
+                    "fits": None
+                    if e.is_baseline or e.budget_gib is None
+                    else report.peak_gib <= e.budget_gib,
+                    "by_category": {k: round(v, 4) for k, v in report.category_gib().items()},
+                }
+            )
+    return rows
+
+
+def format_budget_table(rows: list[dict]) -> str:
+    header = (
+        f"{'system':<20} {'variant':<14} {'batch':>5} {'dtype':<5} {'params':>8} "
+        f"{'estimate GiB':>12} {'budget GiB':>10}  status"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        budget = "-" if r["budget_gib"] is None else f"{r['budget_gib']:.2f}"
+        if r["is_baseline"]:
+            status = "naive baseline"
+        else:
+            status = "fits" if r["fits"] else "OVER BUDGET"
+        lines.append(
+            f"{r['system']:<20} {r['variant']:<14} {r['batch']:>5} {r['dtype']:<5} "
+            f"{r['params'] / 1e6:>7.2f}M {r['estimated_gib']:>12.3f} {budget:>10}  {status}"
+        )
+    if not rows:
+        lines.append("(no systems registered: install a model package, e.g. `uv sync --all-packages`)")
+    return "\n".join(lines)
+
+
+def _budget(args: argparse.Namespace) -> int:
+    if args.system is not None and args.system not in available_systems():
+        choices = ", ".join(sorted(available_systems())) or "none installed"
+        raise SystemExit(f"error: unknown system {args.system!r}; installed systems: {choices}")
+    rows = budget_rows(args.system)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print("Estimated peak of one paper-size training step (fake tensors on CPU; `--json` for details)")
+        print(format_budget_table(rows))
+    return 0 if all(r["fits"] is not False for r in rows) else 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `memfit` command."""
+    parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("budget", help="estimated training-step peak of every system vs its budget")
+    p.add_argument("--system", help="only this system")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_budget)
+    p = sub.add_parser("systems", help="list installed systems")
+    p.set_defaults(func=lambda a: print("\n".join(sorted(available_systems()))) or 0)
+    args = parser.parse_args(argv)
+    raise SystemExit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""The `train`/`eval` dispatcher and `memfit budget`."""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from memfit import cli
+from memfit.system import available_systems
+
+ROOT = Path(__file__).resolve().parents[3]
+needs_uv = pytest.mark.skipif(shutil.which("uv") is None, reason="uv is not on PATH")
+
+
+def _uv(*args, env=None):
+    env = {**os.environ, **(env or {})}
+    env.pop("MEMFIT_SYSTEM", None)
+    return subprocess.run(
+        ["uv", "run", "--no-sync", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env
+    )
+
+
+def test_pick_system_rules(monkeypatch):
+    monkeypatch.delenv("MEMFIT_SYSTEM", raising=False)
+    monkeypatch.setattr(cli, "available_systems", lambda: {"alpha": None, "beta": None})
+    monkeypatch.setattr(cli, "_uv_run_package", lambda: None)
+    assert cli.pick_system(["--system", "beta", "--steps", "3"]) == ("beta", ["--steps", "3"])
+    assert cli.pick_system(["--system=alpha"]) == ("alpha", [])
+    with pytest.raises(SystemExit, match="Installed systems: alpha, beta"):
+        cli.pick_system(["--steps", "3"])
+    with pytest.raises(SystemExit, match="unknown system 'gamma'"):
+        cli.pick_system(["--system", "gamma"])
+    monkeypatch.setattr(cli, "_uv_run_package", lambda: "beta")  # `uv run --package beta train`
+    assert cli.pick_system(["-h"]) == ("beta", ["-h"])
+    monkeypatch.setattr(cli, "_uv_run_package", lambda: "memfit-core")  # a package that is no system
+    with pytest.raises(SystemExit, match="which system"):
+        cli.pick_system([])
+    monkeypatch.setattr(cli, "available_systems", lambda: {"alpha": None})
+    assert cli.pick_system([]) == ("alpha", [])
+
+
+@needs_uv
+@pytest.mark.parametrize("system", sorted(available_systems()))
+def test_uv_run_package_train_help_reaches_that_system(system):
+    """`uv run --package X train --help` answers with X's own trainer (argparse prog "X train")."""
+    res = _uv("--package", system, "train", "--help")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"{system} train" in res.stdout
+
+
+@needs_uv
+def test_uv_run_train_without_package_lists_choices():
+    if len(available_systems()) < 2:
+        pytest.skip("needs two installed systems")
+    res = _uv("train", "--help")
+    assert res.returncode != 0
+    assert "which system" in res.stderr
+    for name in available_systems():
+        assert name in res.stderr
+
+
+def test_budget_json_is_valid_and_complete(capsys):
+    systems = sorted(available_systems())
+    if not systems:
+        pytest.skip("no systems installed")
+    with pytest.raises(SystemExit):
+        cli.main(["budget", "--json", "--system", systems[0]])
+    rows = json.loads(capsys.readouterr().out)
+    assert rows
+    keys = {
+        "system",
+        "variant",
+        "batch",
+        "dtype",
+        "params",
+        "estimated_gib",
+        "budget_gib",
+        "is_baseline",
+        "by_category",
+    }
+    for r in rows:
+        assert keys <= set(r)
+        assert set(r["by_category"]) == {"params", "grads", "optimizer", "activations"}
+        assert r["estimated_gib"] == pytest.approx(sum(r["by_category"].values()), rel=1e-3, abs=1e-3)
+        assert (r["budget_gib"] is None) == r["is_baseline"]
+
+
+def test_budget_unknown_system_is_clear():
+    with pytest.raises(SystemExit, match="unknown system 'nope'"):
+        cli.main(["budget", "--system", "nope"])

@@ -1,0 +1,227 @@
+"""The loop toolkit: exact resume, atomic checkpoints, accumulation, AMP, DDP on CPU."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from memfit.training import (
+    LoopConfig,
+    Trainer,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    step_generator,
+    warmup_cosine_lambda,
+)
+from torch import nn
+
+TRUE_W = torch.linspace(-1, 1, 16)
+
+
+def make_batch(step, micro, seed=0, batch=32, rank=0, world=1):
+    g = step_generator(seed, step, micro)
+    x = torch.randn(batch, 16, generator=g)
+    y = x @ TRUE_W + 0.01 * torch.randn(batch, generator=g)
+    lo = rank * batch // world
+    return x[lo : lo + batch // world], y[lo : lo + batch // world]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.GELU(), nn.Linear(32, 1))
+
+    def forward(self, x):
+        return self.body(x).squeeze(-1)
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    loss = (model(x).float() - y).pow(2).mean()
+    return loss, {"mse": loss.item()}
+
+
+def build(tmp_path, steps, resume=False, amp="none", grad_accum=1, save_every=3):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine_lambda(10, 2))
+    cfg = LoopConfig(
+        steps=steps,
+        amp=amp,
+        grad_accum=grad_accum,
+        save_every=save_every,
+        keep_last=2,
+        run_dir=str(tmp_path),
+        resume=resume,
+        progress=False,
+        log_every=1,
+        device="cpu",
+    )
+    return Trainer(model, opt, loss_fn, make_batch, cfg, scheduler=sched, model_config={"width": 32})
+
+
+def test_resume_after_interruption_gives_identical_weights(tmp_path):
+    full = build(tmp_path / "full", steps=10)
+    full.fit()
+    # The same run stopped at step 7 (as if killed after its step-6 checkpoint) then resumed.
+    part = build(tmp_path / "part", steps=7, save_every=3)
+    part.fit()
+    for p in list_checkpoints(tmp_path / "part"):
+        if p.name != "ckpt_0000006.pt":
+            p.unlink()  # the kill came before the step-7 checkpoint was written
+    resumed = build(tmp_path / "part", steps=10, resume=True)
+    assert resumed.step == 6
+    resumed.fit()
+    for a, b in zip(full.raw_model.parameters(), resumed.raw_model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    state = load_checkpoint(tmp_path / "part")
+    assert state["step"] == 10 and state["model_config"] == {"width": 32}
+    # the learning-rate schedule continued too
+    assert full.optimizer.param_groups[0]["lr"] == pytest.approx(resumed.optimizer.param_groups[0]["lr"])
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path):
+    t = build(tmp_path, steps=10, save_every=2)
+    out = t.fit()
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["ckpt_0000008.pt", "ckpt_0000010.pt"]  # keep_last=2
+    assert not [p for p in tmp_path.iterdir() if ".tmp" in p.name]
+    assert out["peak_memory_mib"] > 0
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [r for r in lines if "loss" in r]
+    assert [r["step"] for r in losses] == list(range(1, 11))
+    assert losses[-1]["loss"] < losses[0]["loss"]
+    assert lines[-1]["peak_memory_mib"] == out["peak_memory_mib"]
+
+
+def test_interrupted_save_leaves_previous_checkpoint_readable(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, 1, {"x": torch.ones(3)})
+
+    def broken_save(obj, f):
+        f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, {"x": torch.zeros(3)})
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path).name == "ckpt_0000001.pt"
+    torch.testing.assert_close(load_checkpoint(tmp_path)["x"], torch.ones(3))
+
+
+def test_bad_checkpoint_and_missing_run_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "ckpt_0000001.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="could not read checkpoint"):
+        load_checkpoint(tmp_path)
+
+
+def test_grad_accumulation_equals_bigger_batch(tmp_path):
+    """Two micro-batches of 16 give the same step as one batch of 32 (no dropout: eval-free model)."""
+
+    def run(accum, batch, sub):
+        torch.manual_seed(0)
+        model = nn.Linear(16, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def get(step, micro):
+            x, y = make_batch(step, 0, batch=32)
+            return x[micro * batch : (micro + 1) * batch], y[micro * batch : (micro + 1) * batch]
+
+        cfg = LoopConfig(
+            steps=3,
+            grad_accum=accum,
+            amp="none",
+            run_dir=str(tmp_path / sub),
+            progress=False,
+            grad_clip=None,
+            device="cpu",
+        )
+        Trainer(model, opt, lambda m, b: (m(b[0]).squeeze(-1) - b[1]).pow(2).mean(), get, cfg).fit()
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    torch.testing.assert_close(run(2, 16, "a"), run(1, 32, "b"), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_amp_modes_train(tmp_path, amp):
+    """Autocast (and fp16's GradScaler) trains like fp32 on a small problem."""
+    ref = build(tmp_path / "fp32", steps=10, amp="none").fit()
+    out = build(tmp_path / amp, steps=10, amp=amp).fit()
+    first = json.loads((tmp_path / amp / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert out["loss"] < 0.8 * first
+    assert out["loss"] == pytest.approx(ref["loss"], rel=0.1)
+
+
+def test_bad_loop_settings_are_clear():
+    with pytest.raises(ValueError, match="amp must be"):
+        LoopConfig(amp="fp8")
+    with pytest.raises(ValueError, match="grad_accum"):
+        LoopConfig(grad_accum=0)
+
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from torch import nn
+    from memfit.training import LoopConfig, Trainer, dist_info
+    sys.path.insert(0, {testdir!r})
+    from test_training import make_batch
+
+    info = dist_info()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    cfg = LoopConfig(steps=5, amp="none", run_dir={run_dir!r}, progress=False, grad_clip=None, device="cpu")
+    get = lambda s, m: make_batch(s, m, batch=32, rank=info.rank, world=info.world_size)
+    loss = lambda m, b: (m(b[0]).squeeze(-1) - b[1]).pow(2).mean()
+    t = Trainer(model, opt, loss, get, cfg)
+    t.fit()
+    if info.rank == 0:
+        torch.save([p.detach() for p in t.raw_model.parameters()], {out!r})
+    """
+)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ddp(tmp_path, nproc):
+    out = tmp_path / f"w{nproc}.pt"
+    script = tmp_path / f"ddp{nproc}.py"
+    script.write_text(
+        DDP_SCRIPT.format(
+            testdir=os.path.dirname(__file__), run_dir=str(tmp_path / f"r{nproc}"), out=str(out)
+        )
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        str(script),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out)
+
+
+def test_ddp_two_processes_equal_one_process_with_double_batch(tmp_path):
+    """torchrun, gloo, 2 ranks x 16 samples == 1 rank x 32 samples (DDP averages the gradients)."""
+    two, one = _run_ddp(tmp_path, 2), _run_ddp(tmp_path, 1)
+    for a, b in zip(two, one):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
