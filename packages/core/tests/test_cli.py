@@ -90,3 +90,19 @@ def test_budget_json_is_valid_and_complete(capsys):
 def test_budget_unknown_system_is_clear():
     with pytest.raises(SystemExit, match="unknown system 'nope'"):
         cli.main(["budget", "--system", "nope"])
+
+
+def test_largest_batch_search_is_exact():
+    from memfit.fit import largest_batch
+
+    calls = []
+
+    def peak(b):
+        calls.append(b)
+        return 0.5 + 0.1 * b  # GiB
+
+    b, gib, nxt, probes = largest_batch(peak, 24.0)
+    assert b == 235 and gib == pytest.approx(24.0) and nxt == pytest.approx(24.1)
+    assert probes == len(set(calls)) <= 20
+    assert largest_batch(peak, 0.55)[0] == 0  # not even batch 1
+    assert largest_batch(peak, 1e9, max_batch=100)[:1] == (100,)

@@ -153,3 +153,27 @@ def test_measure_peak_counts_live_tensors_only():
         c = torch.empty(256, 1024)  # 1 MiB after both were freed
         del c
     assert m.peak_bytes == 6 * 2**20
+
+
+@pytest.mark.parametrize("name", ["attention", "checkpoint"])
+def test_estimate_agrees_with_pytorch_memtracker(name):
+    """An independent accounting of the same fake step: PyTorch's own MemTracker."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    step = CASES[name]
+    with FakeTensorMode():
+        model = step.build_model()
+        opt = step.optimizer(model.parameters())
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        with mt:
+            for i in range(2):
+                if i:
+                    mt.reset_mod_stats()
+                step.loss(model, step.make_batch(torch.device("cpu"))).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        theirs = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    ours = estimate_training_step(step).peak_bytes
+    assert abs(ours - theirs) <= 0.05 * theirs, (ours, theirs)

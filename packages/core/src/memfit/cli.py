@@ -171,6 +171,24 @@ def _budget(args: argparse.Namespace) -> int:
     return 0 if all(r["fits"] is not False for r in rows) else 1
 
 
+def _fit(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from memfit.fit import fit_system, format_fit
+
+    if args.system not in available_systems():
+        choices = ", ".join(sorted(available_systems())) or "none installed"
+        raise SystemExit(f"error: unknown system {args.system!r}; installed systems: {choices}")
+    if args.gpu_gib <= 0:
+        raise SystemExit(f"error: --gpu-gib must be positive, got {args.gpu_gib}")
+    results = fit_system(args.system, args.gpu_gib, args.max_batch, args.variant)
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=2))
+    else:
+        print(format_fit(args.system, args.gpu_gib, results))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     """The `memfit` command."""
     parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
@@ -179,6 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--system", help="only this system")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_budget)
+    p = sub.add_parser("fit", help="largest batch (and whether checkpointing is needed) that fits a GPU")
+    p.add_argument("--system", required=True)
+    p.add_argument("--gpu-gib", type=float, required=True, help="GPU memory to fit, GiB")
+    p.add_argument("--variant", action="append", help="only these variants (repeatable)")
+    p.add_argument("--max-batch", type=int, default=4096)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_fit)
     p = sub.add_parser("systems", help="list installed systems")
     p.set_defaults(func=lambda a: print("\n".join(sorted(available_systems()))) or 0)
     args = parser.parse_args(argv)

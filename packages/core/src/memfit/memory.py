@@ -27,6 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 GIB = 1024**3
 MIB = 1024**2
@@ -94,40 +95,64 @@ class MemoryReport:
 # ----------------------------------------------------------------------------------------------------
 
 
-class _LiveStorageTracker(TorchDispatchMode):
-    """Counts bytes of every storage created by an op inside the mode, until the storage is freed."""
+class _StorageTracker(TorchDispatchMode):
+    """Counts the bytes of every storage an op creates inside the mode, until that storage is freed.
 
-    def __init__(self) -> None:
+    Real mode (fake=False) counts real CPU storages and ignores fake ones; fake mode counts the storages
+    of FakeTensors, which have sizes but no memory. Each storage carries a category (the phase that made
+    it, or a later re-categorisation, e.g. a gradient), and running totals make every op O(1): the peak and
+    its split by category are updated as storages come and go.
+    """
+
+    def __init__(self, fake: bool = False) -> None:
         super().__init__()
+        self.fake = fake
         self.live = 0
         self.peak = 0
-        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.category = "activations"  # category of new storages: set by the phase of the step
+        self.by_category = dict.fromkeys(CATEGORIES, 0)
+        self.peak_by_category = dict(self.by_category)
+        self._entries = WeakIdKeyDictionary()  # storage -> [nbytes, category]
 
-    def _track(self, t: torch.Tensor) -> None:
-        if t.device.type != "cpu" or t.is_sparse or getattr(t, "is_nested", False):
-            return
+    def _storage(self, t: torch.Tensor):
+        if t.is_sparse or getattr(t, "is_nested", False) or is_fake(t) != self.fake:
+            return None
+        if not self.fake and t.device.type != "cpu":
+            return None
         try:
-            st = t.untyped_storage()
+            return t.untyped_storage()
         except (NotImplementedError, RuntimeError):
-            return
-        if st.device.type == "meta" or is_fake(t):  # fake tensors have no memory to count
-            return
-        if st in self._seen:
-            return
-        nbytes = st.nbytes()
-        self._seen[st] = nbytes
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(st, self._free, nbytes)
+            return None
 
-    def _free(self, nbytes: int) -> None:
-        self.live -= nbytes
+    def track(self, t: torch.Tensor, category: str | None = None) -> None:
+        st = self._storage(t)
+        if st is None:
+            return
+        entry = self._entries.get(st)
+        if entry is not None:
+            if category is not None and entry[1] != category:
+                self.by_category[entry[1]] -= entry[0]
+                self.by_category[category] += entry[0]
+                entry[1] = category
+            return
+        entry = [st.nbytes(), category or self.category]
+        self._entries[st] = entry
+        self.live += entry[0]
+        self.by_category[entry[1]] += entry[0]
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_by_category = dict(self.by_category)
+        weakref.finalize(st, self._free, entry)
+
+    def _free(self, entry: list) -> None:
+        self.live -= entry[0]
+        self.by_category[entry[1]] -= entry[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
-                self._track(t)
+                self.track(t)
         return out
 
 
@@ -142,7 +167,7 @@ class PeakMemory:
         self.device = torch.device(device)
         self.existing = list(existing)  # CPU: tensors alive before entry that count (params, optimizer state)
         self.peak_bytes = 0
-        self._tracker: _LiveStorageTracker | None = None
+        self._tracker: _StorageTracker | None = None
         self._cuda_base = 0
 
     def __enter__(self) -> PeakMemory:
@@ -151,9 +176,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._cuda_base = torch.cuda.memory_allocated(self.device)
         else:
-            self._tracker = _LiveStorageTracker()
+            self._tracker = _StorageTracker()
             for t in self.existing:
-                self._tracker._track(t)
+                self._tracker.track(t)
             self.existing = []
             self._tracker.__enter__()
         return self
@@ -203,11 +228,76 @@ def _run_step(step: TrainStep, model: nn.Module, opt: torch.optim.Optimizer, dev
     opt.zero_grad(set_to_none=True)
 
 
+def _tracked_steps(step: TrainStep, steps: int, fake: bool, device: torch.device) -> MemoryReport:
+    """Build the model and run `steps` training steps under a _StorageTracker (real or fake tensors)."""
+    tracker = _StorageTracker(fake=fake)
+    retained: dict[str, int] = {}
+
+    def before(name):
+        def hook(module, args):
+            retained[name + "@start"] = tracker.live
+
+        return hook
+
+    def after(name):
+        def hook(module, args, out):
+            kept = tracker.live - retained.pop(name + "@start")
+            retained[name] = max(retained.get(name, 0), kept)
+
+        return hook
+
+    with tracker, torch.device(device):
+        tracker.category = "params"
+        model = step.build_model()
+        opt = step.optimizer(model.parameters())
+        handles = []
+        for name, child in model.named_children():
+            handles.append(child.register_forward_pre_hook(before(name)))
+            handles.append(child.register_forward_hook(after(name)))
+        for p in model.parameters():
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(lambda p: tracker.track(p.grad, "grads")))
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker.track(t, "params")
+        for _ in range(steps):
+            batch = step.make_batch(device)
+            tracker.category = "activations"
+            ctx = (
+                torch.autocast(device_type=device.type, dtype=step.amp_dtype)
+                if step.amp_dtype is not None
+                else contextlib.nullcontext()
+            )
+            with ctx:
+                loss = step.loss(model, batch)
+            loss.backward()
+            del loss
+            tracker.category = "optimizer"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for h in handles:
+            h.remove()
+        n_params = sum(p.numel() for p in model.parameters())
+        del model, opt, batch
+    return MemoryReport(
+        peak_bytes=tracker.peak,
+        by_category=dict(tracker.peak_by_category),
+        by_module=retained,
+        params=n_params,
+    )
+
+
 def measure_training_step(
     step: TrainStep, device: str | torch.device = "cpu", steps: int = 2
 ) -> MemoryReport:
-    """Really run model build + ``steps`` training steps and return the measured peak."""
+    """Really run model build + ``steps`` training steps and return the measured peak.
+
+    CPU: every live storage is counted, split by category as in the estimate. CUDA: the allocator's peak.
+    """
     device = torch.device(device)
+    if device.type == "cpu":
+        report = _tracked_steps(step, steps, fake=False, device=device)
+        report.method = "measured (cpu, live tensor storages)"
+        return report
     with measure_peak(device) as m, torch.device(device):
         model = step.build_model()
         opt = step.optimizer(model.parameters())
@@ -216,25 +306,6 @@ def measure_training_step(
         n_params = sum(p.numel() for p in model.parameters())
         del model, opt
     return MemoryReport(peak_bytes=m.peak_bytes, params=n_params, method=f"measured ({device.type})")
-
-
-# ----------------------------------------------------------------------------------------------------
-# Estimation with fake tensors
-# ----------------------------------------------------------------------------------------------------
-
-
-def _category_map() -> dict[Any, str]:
-    from torch.distributed._tools.mem_tracker import _MemRefType
-
-    return {
-        _MemRefType.PARAM: "params",
-        _MemRefType.BUFFER: "params",
-        _MemRefType.GRAD: "grads",
-        _MemRefType.OPT: "optimizer",
-        _MemRefType.ACT: "activations",
-        _MemRefType.TEMP: "activations",
-        _MemRefType.OTH: "activations",
-    }
 
 
 @contextlib.contextmanager
@@ -249,40 +320,12 @@ def fake_mode() -> Iterator[Any]:
 def estimate_training_step(step: TrainStep, steps: int = 2) -> MemoryReport:
     """Estimate the peak of model build + ``steps`` training steps at full size, with fake tensors on CPU.
 
-    Handles SDPA, custom autograd Functions and ``torch.utils.checkpoint`` (they run as usual on fake
-    tensors). Two steps by default: the first allocates optimizer state lazily, the second is the steady
-    state a real run repeats.
+    The step runs as usual on FakeTensors (SDPA, custom autograd Functions and ``torch.utils.checkpoint``
+    included), so every allocation happens with its real size but no storage and no compute. Two steps by
+    default: the first allocates optimizer state lazily, the second is the steady state a run repeats.
+    ``by_module`` holds, per top-level module, the bytes its forward leaves alive (saved for backward).
     """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    device = torch.device("cpu")
-    cats = _category_map()
     with fake_mode():
-        model = step.build_model()
-        opt = step.optimizer(model.parameters())
-        tracker = MemTracker()
-        tracker.track_external(model, opt)
-        with tracker:
-            for i in range(steps):
-                if i:
-                    tracker.reset_mod_stats()  # per-module stats are per iteration; the global peak stays
-                _run_step(step, model, opt, device)
-        snap = tracker.get_tracker_snapshot("peak")[device]
-        by_category = dict.fromkeys(CATEGORIES, 0)
-        for key, nbytes in snap.items():
-            if key != "Total":
-                by_category[cats[key]] += nbytes
-        by_module = {}
-        for name, child in model.named_children():
-            stats = tracker.memory_tracking.get(child)
-            if stats is None:
-                continue
-            by_module[name] = max(stats.local_peak.values(), default=0)
-        n_params = sum(p.numel() for p in model.parameters())
-    return MemoryReport(
-        peak_bytes=snap["Total"],
-        by_category=by_category,
-        by_module=by_module,
-        params=n_params,
-        method="estimated (FakeTensorMode, MemTracker)",
-    )
+        report = _tracked_steps(step, steps, fake=True, device=torch.device("cpu"))
+    report.method = "estimated (FakeTensorMode on CPU)"
+    return report

@@ -21,6 +21,15 @@ ENTRY_POINT_GROUP = "memfit.systems"
 
 
 @dataclass
+class Scaling:
+    """How a variant's memory grows with its token count (for the report's log-log plots)."""
+
+    label: str  # what is counted, e.g. "query coordinates", "triplane tokens"
+    sizes: list[int]
+    make_step: Callable[[int], TrainStep]  # the step at that many tokens
+
+
+@dataclass
 class BudgetEntry:
     """One (system, variant) row of `memfit budget`: a paper-size training step and its budget."""
 
@@ -33,6 +42,9 @@ class BudgetEntry:
     config: str = ""  # one line describing the config, for the table
     # A real-size check that the estimator holds for this system: a small step that runs in seconds on CPU.
     calibration: TrainStep | None = None
+    # The same variant at another batch size, with or without activation checkpointing (`memfit fit`).
+    make_step: Callable[[int, bool], TrainStep] | None = None
+    scaling: Scaling | None = None
 
 
 @dataclass

@@ -1,0 +1,95 @@
+"""The fit finder: the largest batch of a system that fits a GPU, and whether checkpointing is needed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from memfit.memory import GIB, estimate_training_step
+
+
+@dataclass
+class FitResult:
+    variant: str
+    checkpointing: bool
+    batch: int  # 0 when not even batch 1 fits
+    estimated_gib: float  # at `batch` (or at batch 1 when nothing fits)
+    next_gib: float | None  # at the first batch that did not fit (None if the search cap was reached)
+    probes: int
+
+
+def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch: int = 4096) -> tuple:
+    """Largest b in [1, max_batch] with peak_gib(b) <= limit_gib, assuming the peak grows with b.
+
+    Doubling then bisection: about 2·log2(b) estimates. Returns (b, gib at b, gib at the first b that
+    failed or None, number of estimates).
+    """
+    cache: dict[int, float] = {}
+
+    def peak(b: int) -> float:
+        if b not in cache:
+            cache[b] = peak_gib(b)
+        return cache[b]
+
+    if peak(1) > limit_gib:
+        return 0, cache[1], cache[1], len(cache)
+    lo, hi = 1, 2
+    while hi <= max_batch and peak(hi) <= limit_gib:
+        lo, hi = hi, hi * 2
+    if hi > max_batch:
+        if peak(max_batch) <= limit_gib:
+            return max_batch, cache[max_batch], None, len(cache)
+        hi = max_batch
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if peak(mid) <= limit_gib:
+            lo = mid
+        else:
+            hi = mid
+    return lo, cache[lo], cache[hi], len(cache)
+
+
+def fit_system(system: str, gpu_gib: float, max_batch: int = 4096, variants: list[str] | None = None):
+    """For every budgeted variant of `system` that can be rebuilt at other batch sizes: the largest batch
+    without checkpointing and, when checkpointing helps, with it."""
+    from memfit.system import load_system
+
+    results = []
+    for entry in load_system(system).budgets():
+        if entry.is_baseline or entry.make_step is None:
+            continue
+        if variants and entry.variant not in variants:
+            continue
+        for ckpt in (False, True):
+            b, gib, nxt, probes = largest_batch(
+                lambda bs, ckpt=ckpt, e=entry: estimate_training_step(e.make_step(bs, ckpt)).peak_bytes / GIB,
+                gpu_gib,
+                max_batch,
+            )
+            results.append(FitResult(entry.variant, ckpt, b, gib, nxt, probes))
+    return results
+
+
+def format_fit(system: str, gpu_gib: float, results: list[FitResult]) -> str:
+    lines = [f"{system}: largest batch whose estimated training-step peak fits {gpu_gib:g} GiB"]
+    lines.append(f"{'variant':<14} {'checkpointing':<13} {'batch':>6} {'peak GiB':>9} {'next GiB':>9}")
+    for r in results:
+        nxt = "-" if r.next_gib is None else f"{r.next_gib:.2f}"
+        lines.append(
+            f"{r.variant:<14} {'yes' if r.checkpointing else 'no':<13} {r.batch:>6} {r.estimated_gib:>9.2f} {nxt:>9}"
+        )
+    by_variant: dict[str, dict[bool, FitResult]] = {}
+    for r in results:
+        by_variant.setdefault(r.variant, {})[r.checkpointing] = r
+    for variant, pair in by_variant.items():
+        plain, ckpt = pair.get(False), pair.get(True)
+        if plain and ckpt and ckpt.batch > plain.batch:
+            advice = f"checkpointing raises the batch from {plain.batch} to {ckpt.batch}"
+            if plain.batch == 0:
+                advice = f"needs checkpointing to fit at all (batch {ckpt.batch} with it)"
+            lines.append(f"{variant}: {advice}")
+        elif plain:
+            lines.append(f"{variant}: checkpointing not needed (batch {plain.batch} without it)")
+    if not results:
+        lines.append("(this system registers no variant that can be rebuilt at other batch sizes)")
+    return "\n".join(lines)
