@@ -186,9 +186,8 @@ def write_report(out_dir: Path, data: dict) -> None:
         md += ["| system | variant | tokens | sizes | peak GiB | exponent |", "|---|---|---|---|---|---|"]
         for s in data["scaling"]:
             peaks = ", ".join(f"{p:.2f}" for p in s["peak_gib"])
-            md.append(
-                f"| {s['system']} | {s['variant']} | {s['label']} | {s['sizes']} | {peaks} | {s['exponent']:.2f} |"
-            )
+            cells = [s["system"], s["variant"], s["label"], str(s["sizes"]), peaks, f"{s['exponent']:.2f}"]
+            md.append("| " + " | ".join(cells) + " |")
         md.append("")
     for name, res in data.get("benchmarks", {}).items():
         md += [f"## {name} (`--quick`)", "", "```", json.dumps(res, indent=1)[:4000], "```", ""]

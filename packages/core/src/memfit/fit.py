@@ -75,9 +75,8 @@ def format_fit(system: str, gpu_gib: float, results: list[FitResult]) -> str:
     lines.append(f"{'variant':<14} {'checkpointing':<13} {'batch':>6} {'peak GiB':>9} {'next GiB':>9}")
     for r in results:
         nxt = "-" if r.next_gib is None else f"{r.next_gib:.2f}"
-        lines.append(
-            f"{r.variant:<14} {'yes' if r.checkpointing else 'no':<13} {r.batch:>6} {r.estimated_gib:>9.2f} {nxt:>9}"
-        )
+        ckpt = "yes" if r.checkpointing else "no"
+        lines.append(f"{r.variant:<14} {ckpt:<13} {r.batch:>6} {r.estimated_gib:>9.2f} {nxt:>9}")
     by_variant: dict[str, dict[bool, FitResult]] = {}
     for r in results:
         by_variant.setdefault(r.variant, {})[r.checkpointing] = r
