@@ -1,0 +1,133 @@
+"""How memfit sees this package: train/eval entry points and the paper-size budget entries."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from memfit.memory import TrainStep
+from memfit.system import BudgetEntry, Scaling, System
+
+from moremouse_triplane.config import TriplaneConfig, get_config
+
+PAPER_BATCH = 4
+
+
+def random_batch(cfg: TriplaneConfig, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """A batch shaped like training's: input images and cfg.rays_per_scene rays per scene, with jitter."""
+    R, S = cfg.rays_per_scene, cfg.samples_per_ray
+    eye = F.normalize(torch.randn(batch, R, 3, device=device), dim=-1) * 2.3
+    d = F.normalize(-eye + 0.3 * torch.randn(batch, R, 3, device=device), dim=-1)  # towards the box
+    return {
+        "images": torch.rand(batch, 3, cfg.image_size, cfg.image_size, device=device),
+        "rays_o": eye,
+        "rays_d": d,
+        "rgb": torch.rand(batch, R, 3, device=device),
+        "jitter": torch.rand(batch, R, S, device=device),
+    }
+
+
+def train_step(cfg: TriplaneConfig, batch: int, amp_dtype: torch.dtype | None = torch.bfloat16) -> TrainStep:
+    """One training step of the whole system: encoder, transformer, upsampler and rendering the rays."""
+    from moremouse_triplane.model import build_model
+
+    return TrainStep(
+        build_model=lambda: build_model(cfg),
+        make_batch=lambda device: random_batch(cfg, batch, device),
+        loss=lambda model, b: model.loss(b),
+        amp_dtype=amp_dtype,
+    )
+
+
+def _plane_res(tokens: int) -> int:
+    return round((tokens // 3) ** 0.5)
+
+
+TOKEN_SIZES = [3 * 16**2, 3 * 32**2, 3 * 64**2]  # triplane tokens for the scaling plot
+
+
+def budget_entries() -> list[BudgetEntry]:
+    paper = get_config("paper")
+    naive = get_config("paper", attention="naive", checkpoint=False, render_checkpoint=False)
+    rays = (
+        f"{paper.rays_per_scene} rays x {paper.samples_per_ray} samples per scene, "
+        f"in chunks of {paper.render_chunk} rays"
+    )
+    return [
+        BudgetEntry(
+            variant="sdpa",
+            step=train_step(paper, PAPER_BATCH),
+            batch=PAPER_BATCH,
+            dtype="bf16",
+            budget_gib=16.0,
+            config=(
+                f"3x{paper.plane_res}x{paper.plane_res} tokens, width {paper.width}, "
+                f"{paper.heads}x{paper.head_dim} heads, "
+                f"{paper.depth} layers, SDPA, block + render checkpointing, upsampler to "
+                f"3x{paper.out_channels}x{paper.out_res}x{paper.out_res}, {rays}"
+            ),
+            calibration=train_step(
+                get_config("tiny", checkpoint=True, render_checkpoint=True, render_chunk=64), 2
+            ),
+            make_step=lambda b, ckpt: train_step(
+                get_config("paper", checkpoint=ckpt, render_checkpoint=ckpt), b
+            ),
+            scaling=Scaling(
+                "triplane tokens",
+                TOKEN_SIZES,
+                lambda n: train_step(get_config("paper", plane_res=_plane_res(n)), PAPER_BATCH),
+            ),
+        ),
+        BudgetEntry(
+            variant="naive",
+            step=train_step(naive, PAPER_BATCH, amp_dtype=None),
+            batch=PAPER_BATCH,
+            dtype="fp32",
+            budget_gib=None,
+            is_baseline=True,
+            config="the seed's setup: fp32, materialised (B, 16, 12288, 12288) scores, no checkpointing",
+            calibration=train_step(get_config("tiny", attention="naive"), 2, amp_dtype=None),
+            scaling=Scaling(
+                "triplane tokens",
+                TOKEN_SIZES,
+                lambda n: train_step(
+                    get_config(
+                        "paper",
+                        attention="naive",
+                        checkpoint=False,
+                        render_checkpoint=False,
+                        plane_res=_plane_res(n),
+                    ),
+                    PAPER_BATCH,
+                    amp_dtype=None,
+                ),
+            ),
+        ),
+    ]
+
+
+def _train(argv: list[str] | None = None) -> object:
+    from moremouse_triplane.train import main
+
+    return main(argv)
+
+
+def _eval(argv: list[str] | None = None) -> object:
+    from moremouse_triplane.eval import main
+
+    return main(argv)
+
+
+def _make_data(argv: list[str] | None = None) -> object:
+    from moremouse_triplane.data import export_main
+
+    return export_main(argv)
+
+
+SYSTEM = System(
+    name="moremouse-triplane",
+    summary="MoReMouse triplane generator: 12,288-token transformer + NeRF rendering, image -> novel views",
+    train=_train,
+    eval=_eval,
+    budgets=budget_entries,
+    extra_commands={"make-data": _make_data},
+)

@@ -1,0 +1,127 @@
+"""`mouse-train`: train the triplane generator on generated mice (default) or a folder of renders.
+
+    uv run mouse-train --preset tiny --steps 600
+    uv run mouse-train --preset tiny --data path/to/renders --resume
+
+Each step: a batch of scenes -> input images -> triplanes -> render cfg.rays_per_scene random target
+rays per scene (input view + random views) -> MSE to the true colours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from memfit.training import (
+    Trainer,
+    add_loop_args,
+    dist_info,
+    loop_config_from_args,
+    resolve_device,
+    set_seed,
+    step_generator,
+    warmup_cosine_lambda,
+)
+
+from moremouse_triplane.config import PRESETS, TriplaneConfig, get_config
+from moremouse_triplane.data import make_source
+from moremouse_triplane.model import build_model, ray_loss
+
+SYSTEM_NAME = "moremouse-triplane"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mouse-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model size (default %(default)s)")
+    p.add_argument(
+        "--data", default=None, help="folder of renders (scene_*/cameras.json); default: generated mice"
+    )
+    p.add_argument("--batch_size", type=int, default=4, help="scenes per micro-batch")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument(
+        "--schedule_steps", type=int, default=None, help="length of the LR schedule (default: --steps)"
+    )
+    p.add_argument(
+        "--num_scenes", type=int, default=0, help="cycle over this many generated scenes (0: new every time)"
+    )
+    p.add_argument("--rays_per_scene", type=int, default=None, help="override the preset's rays per scene")
+    p.add_argument("--samples_per_ray", type=int, default=None, help="override the preset's samples per ray")
+    p.add_argument(
+        "--attention", choices=["sdpa", "naive"], default=None, help="override the preset's attention"
+    )
+    p.add_argument(
+        "--checkpoint", action=argparse.BooleanOptionalAction, default=None, help="activation checkpointing"
+    )
+    add_loop_args(p, steps=600, save_every=200, log_every=20, amp="bf16")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TriplaneConfig:
+    overrides = {
+        k: getattr(args, k)
+        for k in ("rays_per_scene", "samples_per_ray", "attention", "checkpoint")
+        if getattr(args, k) is not None
+    }
+    try:
+        return get_config(args.preset, **overrides)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse flags, train, return the last metrics (see --help)."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.batch_size < 1:
+        raise SystemExit("error: --batch_size must be >= 1")
+    cfg = config_from_args(args)
+    loop = loop_config_from_args(args, system=SYSTEM_NAME)
+    device = resolve_device(loop.device)
+    try:
+        source = make_source(args.data, cfg.image_size, seed=args.seed, split="train")
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+
+    set_seed(args.seed)  # the same initial weights for the same seed
+    model = build_model(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    total = args.schedule_steps or loop.steps
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine_lambda(total, min(args.warmup, total // 5)))
+    info = dist_info()
+    B, R, S = args.batch_size, cfg.rays_per_scene, cfg.samples_per_ray
+
+    def get_batch(step: int, micro: int) -> dict[str, torch.Tensor]:
+        g = step_generator(loop.seed, step, micro, info.rank)
+        first = ((step * loop.grad_accum + micro) * info.world_size + info.rank) * B
+        indices = [first + i for i in range(B)]
+        if args.num_scenes:
+            indices = [i % args.num_scenes for i in indices]
+        batch = source.train_batch(indices, R, cfg.num_targets, g)
+        batch["jitter"] = torch.rand(B, R, S, generator=g)
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+    trainer = Trainer(
+        model,
+        opt,
+        ray_loss,
+        get_batch,
+        loop,
+        scheduler=sched,
+        model_config={"preset": args.preset, "config": cfg.to_dict(), "data": args.data or "synthetic"},
+        items_per_step=B * R * loop.grad_accum,
+    )
+    if info.is_main:
+        n = sum(p.numel() for p in model.parameters())
+        print(
+            f"[mouse-train] preset {args.preset}: {n / 1e6:.2f}M params, {cfg.num_tokens} triplane tokens, "
+            f"{R} rays x {S} samples per scene, batch {B}; runs in {loop.run_dir}"
+        )
+    return trainer.fit()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Memory: paper budgets, attention scaling in the number of triplane tokens, estimator calibration."""
+
+import math
+
+import pytest
+import torch
+from memfit.memory import GIB, TrainStep, estimate_training_step, measure_training_step
+from moremouse_triplane.model import SelfAttention
+from moremouse_triplane.system import budget_entries
+
+SEED_ATTENTION_GIB = 4 * 16 * 12_288**2 * 4 / GIB  # the seed's single failed allocation: 36.0 GiB
+
+
+def _attention_step(tokens: int, width: int, heads: int, head_dim: int, batch: int, naive: bool) -> TrainStep:
+    """One self-attention layer over `tokens` triplane tokens: forward, backward, AdamW."""
+    return TrainStep(
+        build_model=lambda: SelfAttention(width, heads, head_dim, naive=naive),
+        make_batch=lambda device: torch.randn(batch, tokens, width, device=device, requires_grad=True),
+        loss=lambda m, x: m(x).float().square().mean(),
+        amp_dtype=None if naive else torch.bfloat16,
+    )
+
+
+def _exponent(m_small: int, m_big: int, n_small: int, n_big: int) -> float:
+    return math.log(m_big / m_small) / math.log(n_big / n_small)
+
+
+def test_attention_memory_linear_for_sdpa_quadratic_for_naive_at_paper_width():
+    # estimated with fake tensors: paper width 512, 16 heads x 64, batch 4, 3x32^2 -> 3x64^2 tokens
+    n_small, n_big = 3 * 32**2, 3 * 64**2
+    est = {
+        (naive, n): estimate_training_step(_attention_step(n, 512, 16, 64, 4, naive)).peak_bytes
+        for naive in (False, True)
+        for n in (n_small, n_big)
+    }
+    sdpa_exp = _exponent(est[False, n_small], est[False, n_big], n_small, n_big)
+    naive_exp = _exponent(est[True, n_small], est[True, n_big], n_small, n_big)
+    assert sdpa_exp <= 1.1, sdpa_exp
+    assert naive_exp >= 1.8, naive_exp
+    # the seed's allocation: one materialised layer at 12,288 tokens needs more than its 36 GiB score matrix
+    assert est[True, n_big] / GIB >= SEED_ATTENTION_GIB >= 36.0
+    assert est[False, n_big] * 20 < est[True, n_big]
+
+
+@pytest.mark.slow
+def test_attention_memory_scaling_measured_on_cpu():
+    # real runs (live CPU tensor storage): small width, 3x16^2 -> 3x32^2 tokens
+    n_small, n_big = 3 * 16**2, 3 * 32**2
+    meas = {
+        (naive, n): measure_training_step(_attention_step(n, 32, 4, 16, 1, naive)).peak_bytes
+        for naive in (False, True)
+        for n in (n_small, n_big)
+    }
+    assert _exponent(meas[False, n_small], meas[False, n_big], n_small, n_big) <= 1.1
+    assert _exponent(meas[True, n_small], meas[True, n_big], n_small, n_big) >= 1.7
+
+
+def test_calibration_estimate_matches_measured_tiny():
+    entry = next(e for e in budget_entries() if e.variant == "sdpa")
+    est = estimate_training_step(entry.calibration).peak_bytes
+    meas = measure_training_step(entry.calibration).peak_bytes
+    assert abs(est - meas) / meas <= 0.15, (est, meas)
+
+
+@pytest.mark.slow
+def test_calibration_estimate_matches_measured_tiny_naive():
+    entry = next(e for e in budget_entries() if e.variant == "naive")
+    est = estimate_training_step(entry.calibration).peak_bytes
+    meas = measure_training_step(entry.calibration).peak_bytes
+    assert abs(est - meas) / meas <= 0.15, (est, meas)
+
+
+@pytest.mark.slow
+def test_paper_budget_fits_16_gib():
+    entry = next(e for e in budget_entries() if e.variant == "sdpa")
+    report = estimate_training_step(entry.step)
+    assert entry.batch == 4 and entry.budget_gib == 16.0
+    assert report.peak_gib <= entry.budget_gib, report.format()
+
+
+@pytest.mark.slow
+def test_naive_baseline_needs_at_least_the_seeds_36_gib():
+    entry = next(e for e in budget_entries() if e.variant == "naive")
+    report = estimate_training_step(entry.step)
+    assert entry.is_baseline and entry.budget_gib is None
+    assert report.peak_gib >= 36.0, report.format()
