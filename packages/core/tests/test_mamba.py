@@ -1,0 +1,128 @@
+"""Mamba / BiMamba: parameter count, causality, kwargs, and the chunked scan against the reference."""
+
+from __future__ import annotations
+
+import memfit.ssm
+import pytest
+import torch
+import torch.nn.functional as F
+from memfit.mamba import BiMamba, Mamba, MambaConfig
+from memfit.memory import TrainStep, estimate_training_step, measure_training_step
+
+
+def formula(cfg: MambaConfig) -> int:
+    return cfg.d_inner * (3 * cfg.d_model + 2 * cfg.rank + 3 * cfg.d_state + cfg.d_conv + 3)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [MambaConfig(64), MambaConfig(96, d_state=8, d_conv=3, expand=3), MambaConfig(130, dt_rank=5)],
+)
+def test_parameter_count_matches_formula(cfg):
+    assert sum(p.numel() for p in Mamba(cfg).parameters()) == formula(cfg)
+    assert cfg.rank == (5 if cfg.dt_rank == 5 else -(-cfg.d_model // 16))
+
+
+def test_init_matches_mamba():
+    cfg = MambaConfig(32, d_state=6, dt_min=0.002, dt_max=0.05)
+    m = Mamba(cfg)
+    torch.testing.assert_close(-torch.exp(m.A_log), -torch.arange(1, 7.0).repeat(cfg.d_inner, 1))
+    dt = F.softplus(m.dt_proj.bias)
+    assert dt.min() >= 0.002 * 0.999 and dt.max() <= 0.05 * 1.001
+    assert torch.all(m.D == 1)
+
+
+@pytest.mark.parametrize("make", [lambda c: Mamba(c), lambda c: BiMamba(c), lambda c: BiMamba(c, "concat")])
+def test_shapes(make):
+    x = torch.randn(3, 17, 24)
+    assert make(MambaConfig(24, d_state=4)).eval()(x).shape == x.shape
+
+
+def test_mamba_is_causal():
+    torch.manual_seed(0)
+    m = Mamba(MambaConfig(16, d_state=4, chunk_size=5))
+    x = torch.randn(2, 23, 16, requires_grad=True)
+    t = 11
+    y = m(x)
+    x2 = x.detach().clone()
+    x2[:, t + 1 :] += torch.randn_like(x2[:, t + 1 :])
+    y2 = m(x2)
+    torch.testing.assert_close(y2[:, : t + 1], y[:, : t + 1].detach(), rtol=0, atol=1e-6)
+    assert (y2[:, t + 1 :] - y[:, t + 1 :]).abs().max() > 1e-3  # the future does change later outputs
+    (g,) = torch.autograd.grad(y[:, t].sum(), x)
+    assert torch.all(g[:, t + 1 :] == 0)
+    assert g[:, : t + 1].abs().sum() > 0
+
+
+def test_bimamba_is_not_causal():
+    torch.manual_seed(0)
+    m = BiMamba(MambaConfig(16, d_state=4))
+    x = torch.randn(2, 23, 16, requires_grad=True)
+    (g,) = torch.autograd.grad(m(x)[:, 5].sum(), x)
+    assert g[:, 6:].abs().sum() > 0 and g[:, :5].abs().sum() > 0
+
+
+@pytest.mark.parametrize("combine", ["sum", "concat"])
+def test_bimamba_passes_keywords_to_both_directions(combine):
+    m = BiMamba(MambaConfig(8, d_state=4), combine=combine)
+    seen = []
+    for d in (m.fwd, m.bwd):
+        d.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(sorted(kwargs)), with_kwargs=True)
+    y = m(torch.randn(2, 9, 8), inference_params=None, extra=1)
+    assert y.shape == (2, 9, 8)
+    assert seen == [["extra", "inference_params"]] * 2
+
+
+def test_bimamba_combines_directions():
+    torch.manual_seed(0)
+    m = BiMamba(MambaConfig(8, d_state=4), combine="sum")
+    x = torch.randn(2, 9, 8)
+    torch.testing.assert_close(m(x), m.fwd(x) + m.bwd(x.flip(1)).flip(1))
+
+
+def test_mamba_with_chunked_scan_equals_reference_scan(monkeypatch):
+    torch.manual_seed(0)
+    m = Mamba(MambaConfig(16, d_state=8, chunk_size=4)).double()
+    x = torch.randn(2, 19, 16, dtype=torch.float64)
+
+    def loss_and_grads():
+        m.zero_grad()
+        y = m(x)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        return y.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    y, grads = loss_and_grads()
+
+    def ref(*args, chunk_size=None, use_kernels=True, **kw):
+        return memfit.ssm.selective_scan_ref(*args, **kw)
+
+    monkeypatch.setattr(memfit.ssm, "selective_scan", ref)
+    y_ref, grads_ref = loss_and_grads()
+    torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-12)
+    for n in grads:
+        torch.testing.assert_close(grads[n], grads_ref[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_memory_estimate_matches_measured_peak():
+    """The training-step estimate (fake tensors) of a small Mamba stack equals the measured CPU peak."""
+
+    def build():
+        return torch.nn.Sequential(*[Mamba(MambaConfig(32, d_state=8, chunk_size=16)) for _ in range(2)])
+
+    step = TrainStep(
+        build_model=build,
+        make_batch=lambda device: torch.randn(4, 100, 32, device=device),
+        loss=lambda model, x: model(x).square().mean(),
+        amp_dtype=None,
+    )
+    est, meas = estimate_training_step(step), measure_training_step(step)
+    assert abs(est.peak_bytes / meas.peak_bytes - 1) < 0.15, (est.peak_mib, meas.peak_mib)
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="d_model"):
+        MambaConfig(0)
+    with pytest.raises(ValueError, match="combine"):
+        BiMamba(MambaConfig(8), combine="mean")
+    with pytest.raises(ValueError, match="d_model=8"):
+        Mamba(MambaConfig(8))(torch.randn(2, 5, 9))

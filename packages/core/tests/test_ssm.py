@@ -1,0 +1,188 @@
+"""selective_scan (chunked, recomputing) against selective_scan_ref (plain, materialising)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from memfit.memory import measure_peak
+from memfit.ssm import auto_chunk_size, selective_scan, selective_scan_ref
+
+NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+
+def make_inputs(
+    batch=2, dim=6, L=13, N=4, layout="step", c_layout=None, groups=2, dtype=torch.float64, seed=0
+):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=dtype)
+
+    def bc(kind):
+        return {"shared": (dim, N), "step": (batch, N, L), "group": (batch, groups, N, L)}[kind]
+
+    return {
+        "u": rnd(batch, dim, L),
+        "delta": rnd(batch, dim, L) * 0.5,
+        "A": -torch.exp(rnd(dim, N) * 0.5),
+        "B": rnd(*bc(layout)),
+        "C": rnd(*bc(c_layout or layout)),
+        "D": rnd(dim),
+        "z": rnd(batch, dim, L),
+        "delta_bias": rnd(dim) * 0.3,
+    }
+
+
+def run(fn, inputs, use, softplus, last, **kw):
+    """Forward + backward of a fixed random projection of the outputs; returns outputs and all grads."""
+    ts = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
+    args = {k: (ts[k] if use[k] else None) for k in ("D", "z", "delta_bias")}
+    res = fn(ts["u"], ts["delta"], ts["A"], ts["B"], ts["C"], **args, delta_softplus=softplus,
+             return_last_state=last, **kw)  # fmt: skip
+    outs = res if last else (res,)
+    g = torch.Generator().manual_seed(1)
+    loss = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)).sum() for o in outs)
+    loss.backward()
+    grads = {k: ts[k].grad for k in NAMES if k in ("u", "delta", "A", "B", "C") or use[k]}
+    return outs, grads
+
+
+def assert_close(outs_a, grads_a, outs_b, grads_b, rtol):
+    for a, b in zip(outs_a, outs_b, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=rtol * b.abs().max().item())
+    assert grads_a.keys() == grads_b.keys()
+    for k in grads_a:
+        a, b = grads_a[k], grads_b[k]
+        assert a is not None and b is not None, k
+        err = (a.double() - b.double()).abs().max().item() / max(b.abs().max().item(), 1e-30)
+        assert err < rtol, f"grad of {k}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("layout", ["shared", "step", "group"])
+@pytest.mark.parametrize(("L", "chunk"), [(13, 4), (3, 8), (16, 4)])
+def test_matches_reference_fp64_every_option(layout, L, chunk):
+    """All 32 combinations of z / D / delta_bias / softplus / last_state, exact up to fp64 rounding."""
+    inputs = make_inputs(L=L, layout=layout)
+    for z, D, bias, softplus, last in itertools.product([False, True], repeat=5):
+        use = {"z": z, "D": D, "delta_bias": bias}
+        ref = run(selective_scan_ref, inputs, use, softplus, last)
+        ours = run(selective_scan, inputs, use, softplus, last, chunk_size=chunk)
+        assert_close(*ours, *ref, rtol=1e-10)
+
+
+@pytest.mark.parametrize(("layout", "c_layout"), [("step", "shared"), ("shared", "group"), ("group", "step")])
+def test_mixed_bc_layouts(layout, c_layout):
+    inputs = make_inputs(L=11, layout=layout, c_layout=c_layout, groups=3)
+    use = {"z": True, "D": True, "delta_bias": True}
+    assert_close(*run(selective_scan, inputs, use, True, True, chunk_size=4),
+                 *run(selective_scan_ref, inputs, use, True, True), rtol=1e-10)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["shared", "step", "group"])
+@pytest.mark.parametrize(("L", "chunk"), [(50, 16), (7, 64)])
+def test_fp32_matches_fp64_reference(layout, L, chunk):
+    """fp32 chunked scan against the reference computed in fp64: forward and every gradient to ~1e-5."""
+    inputs = make_inputs(batch=3, dim=8, L=L, N=16, layout=layout, dtype=torch.float32, seed=3)
+    use = {"z": True, "D": True, "delta_bias": True}
+    ours = run(selective_scan, inputs, use, True, True, chunk_size=chunk)
+    ref = run(selective_scan_ref, {k: v.double() for k, v in inputs.items()}, use, True, True)
+    assert ours[0][0].dtype == torch.float32
+    assert_close(*ours, *ref, rtol=2e-5)
+
+
+def test_default_chunk_and_output_dtype_under_autocast():
+    """bf16 inputs under autocast: the scan runs in fp32 inside, returns bf16, gradients keep input dtypes."""
+    inputs = make_inputs(batch=2, dim=8, L=40, N=8, dtype=torch.float32)
+    bf = {k: (v.bfloat16() if k in ("u", "delta", "z", "B", "C") else v) for k, v in inputs.items()}
+    use = {"z": True, "D": True, "delta_bias": True}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs, grads = run(selective_scan, bf, use, True, False)
+    assert outs[0].dtype == torch.bfloat16
+    for k, g in grads.items():
+        assert g.dtype == bf[k].dtype, k
+    ref_outs, ref_grads = run(selective_scan_ref, {k: v.float() for k, v in bf.items()}, use, True, False)
+    torch.testing.assert_close(
+        outs[0].float(), ref_outs[0], rtol=2e-2, atol=2e-2 * ref_outs[0].abs().max().item()
+    )
+    for k in grads:
+        err = (grads[k].float() - ref_grads[k]).abs().max() / ref_grads[k].abs().max()
+        assert err < 3e-2, k
+
+
+def test_runs_on_fake_tensors():
+    """memfit.memory estimates training steps under FakeTensorMode: no data-dependent code allowed."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        inputs = make_inputs(batch=4, dim=32, L=300, N=16, dtype=torch.float32)
+        ts = {k: v.requires_grad_() for k, v in inputs.items()}
+        out, last = selective_scan(*ts.values(), delta_softplus=True, return_last_state=True)
+        (out.sum() + last.sum()).backward()
+        assert out.shape == (4, 32, 300) and last.shape == (4, 32, 16)
+        assert all(ts[k].grad.shape == ts[k].shape for k in NAMES)
+
+
+def test_training_step_memory_much_lower_than_reference():
+    """Measured peak of forward + backward: the chunked scan holds states of one chunk, not of all L."""
+    inputs = make_inputs(batch=8, dim=64, L=128, N=16, dtype=torch.float32)
+    ts = [v.requires_grad_() for v in inputs.values()]
+
+    def step(fn, **kw):
+        with measure_peak("cpu", existing=ts) as m:
+            fn(*ts, delta_softplus=True, **kw).square().mean().backward()
+        out = [t.grad.clone() for t in ts]
+        for t in ts:
+            t.grad = None
+        return m.peak_bytes, out
+
+    ref_peak, ref_grads = step(selective_scan_ref)
+    peak, grads = step(selective_scan, chunk_size=8)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    full = 8 * 64 * 128 * 16 * 4  # one (batch, dim, L, N) fp32 tensor
+    assert ref_peak > 3 * full, "the reference should materialise several (batch, dim, L, N) tensors"
+    assert peak * 4 < ref_peak, f"chunked {peak / 2**20:.1f} MiB vs reference {ref_peak / 2**20:.1f} MiB"
+    assert peak < full
+
+
+def test_auto_chunk_size():
+    assert auto_chunk_size(2, 16, 64, 16) == 64  # tiny: memory does not matter
+    assert auto_chunk_size(60, 256, 200, 16) == 8
+    assert 16 <= auto_chunk_size(8, 1536, 4096, 16) <= 64
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"A": torch.zeros(5, 4)}, "A must be"),
+        ({"B": torch.zeros(2, 4, 12)}, "B has shape"),
+        ({"C": torch.zeros(2, 4, 4, 13)}, "groups dividing"),
+        ({"delta": torch.zeros(2, 6, 12)}, "delta has shape"),
+        ({"D": torch.zeros(5)}, "D must be"),
+    ],
+)
+def test_bad_shapes_raise_clear_errors(change, message):
+    inputs = {**make_inputs(L=13), **change}
+    with pytest.raises(ValueError, match=message):
+        selective_scan(*inputs.values())
+    with pytest.raises(ValueError, match=message):
+        selective_scan_ref(*inputs.values())
+
+
+def test_bad_chunk_size():
+    with pytest.raises(ValueError, match="chunk_size"):
+        selective_scan(*make_inputs().values(), chunk_size=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_matches_reference():
+    """On CUDA (mamba_ssm's kernel when installed, else the chunked path) against the reference."""
+    inputs = {k: v.float().cuda() for k, v in make_inputs(batch=2, dim=16, L=100, N=8).items()}
+    use = {"z": True, "D": True, "delta_bias": True}
+    ours = run(selective_scan, inputs, use, True, False)
+    ref = run(selective_scan_ref, inputs, use, True, False)
+    assert_close(*ours, *ref, rtol=1e-3)
