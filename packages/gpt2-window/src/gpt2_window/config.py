@@ -1,0 +1,92 @@
+"""GPT-2 configuration and the named presets that `--model` picks from."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+ATTN_IMPLS = ("memfit", "ref", "seed")
+
+
+@dataclass
+class GPTConfig:
+    """A nanoGPT-style GPT-2. vocab_size=None means "take it from the tokenizer" (character presets)."""
+
+    block_size: int = 1024
+    vocab_size: int | None = 50304  # GPT-2's 50257 padded up to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+    # Sliding window: None = plain causal; an int for every layer; or one entry per layer (int or None).
+    window: int | list[int | None] | None = None
+    # Activation checkpointing per block: keeps each block's input, recomputes the rest in backward.
+    checkpoint: bool = False
+    # "memfit": memfit.attention (SDPA / flash-attn / Flex / CPU band path).
+    # "ref": memfit.attention.attention_ref, the naive masked softmax (for parity tests).
+    # "seed": the original script's mistake, kept as the naive memory baseline (see model.SeedMaskCache).
+    attn_impl: str = "memfit"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field and the fix."""
+        for name in ("block_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ValueError(f"attn_impl must be one of {', '.join(ATTN_IMPLS)}; got {self.attn_impl!r}")
+        if isinstance(self.window, (list, tuple)):
+            if len(self.window) != self.n_layer:
+                raise ValueError(
+                    f"window has {len(self.window)} entries but the model has {self.n_layer} layers; "
+                    "give one window (or None) per layer, or a single int for all"
+                )
+            self.window = list(self.window)
+        for w in self.layer_windows():
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+                raise ValueError(f"window must be a positive int (keys seen per query) or None, got {w!r}")
+
+    def layer_windows(self) -> list[int | None]:
+        """The window of each layer (None = full causal)."""
+        if isinstance(self.window, list):
+            return list(self.window)
+        return [self.window] * self.n_layer
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
+        """Rebuild from to_dict() output (unknown keys are ignored, e.g. from a newer version)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# Character-level presets leave vocab_size to the tokenizer. "tiny" is nanoGPT's shakespeare_char CPU
+# config (README: 4 layers, 4 heads, 128 wide, block 64, no bias, dropout 0).
+PRESETS: dict[str, GPTConfig] = {
+    "d12": GPTConfig(),
+    "d12_window": GPTConfig(window=64),
+    "tiny": GPTConfig(block_size=64, vocab_size=None, n_layer=4, n_head=4, n_embd=128, bias=False),
+    "tiny_window": GPTConfig(
+        block_size=64, vocab_size=None, n_layer=4, n_head=4, n_embd=128, bias=False, window=16
+    ),
+    # For tests and smoke runs: seconds on one CPU core.
+    "nano": GPTConfig(block_size=32, vocab_size=None, n_layer=2, n_head=2, n_embd=32, bias=True, window=8),
+}
+
+
+def preset(name: str, **overrides: Any) -> GPTConfig:
+    """A copy of PRESETS[name] with overrides applied; unknown names raise ValueError listing the choices."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)

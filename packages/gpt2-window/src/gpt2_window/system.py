@@ -1,0 +1,83 @@
+"""gpt2-window as memfit sees it: train/eval commands and the budget rows of `memfit budget`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from memfit.memory import TrainStep
+from memfit.system import BudgetEntry, System
+
+from gpt2_window.config import GPTConfig, preset
+from gpt2_window.eval import main as eval_main
+from gpt2_window.generate import main as generate_main
+from gpt2_window.model import GPT, make_optimizer
+from gpt2_window.train import main as train_main
+
+PAPER_BATCH, PAPER_T = 4, 1024
+
+
+def gpt_step(cfg: GPTConfig, batch: int, T: int, amp_dtype: torch.dtype | None = torch.bfloat16) -> TrainStep:
+    """One training step of GPT(cfg) on random tokens (batch, T), with the AdamW the app trains with."""
+    vocab = cfg.vocab_size
+
+    def make_batch(device):
+        x = torch.randint(0, vocab, (batch, T), device=device)
+        return x, torch.randint(0, vocab, (batch, T), device=device)
+
+    return TrainStep(
+        build_model=lambda: GPT(cfg),
+        make_batch=make_batch,
+        loss=lambda model, b: model(*b)[1],
+        optimizer=lambda params: make_optimizer(params),
+        amp_dtype=amp_dtype,
+    )
+
+
+def _calibration(cfg: GPTConfig, amp_dtype: torch.dtype | None) -> TrainStep:
+    """The same variant shrunk to run for real on CPU in well under a second (T > window: band path)."""
+    small = replace(cfg, n_layer=2, n_head=2, n_embd=64, block_size=256, vocab_size=512)
+    if cfg.window is not None:
+        small = replace(small, window=32)
+    return gpt_step(small, 2, 256, amp_dtype)
+
+
+def budget_entries() -> list[BudgetEntry]:
+    """d12 (124M) at batch 4 x 1024 tokens: causal, window 64 (bf16 and fp32), and the seed's baseline."""
+    rows = [
+        ("causal", preset("d12"), torch.bfloat16, "bf16", 6.0, False, "causal SDPA"),
+        ("window", preset("d12_window"), torch.bfloat16, "bf16", 6.0, False, "window 64"),
+        ("window-fp32", preset("d12_window"), None, "fp32", 10.5, False, "window 64, no autocast"),
+        (
+            "window-seed",
+            preset("d12_window", attn_impl="seed"),
+            torch.bfloat16,
+            "bf16",
+            None,
+            True,
+            "window 64, the seed's B=H=1 mask cache broadcast to dense (B, H, T, T) masks",
+        ),
+    ]
+    return [
+        BudgetEntry(
+            variant=variant,
+            step=gpt_step(cfg, PAPER_BATCH, PAPER_T, amp),
+            batch=PAPER_BATCH,
+            dtype=dtype,
+            budget_gib=budget,
+            is_baseline=baseline,
+            config=f"d12 GPT-2 124M, T {PAPER_T}, {what}",
+            calibration=_calibration(cfg, amp),
+        )
+        for variant, cfg, amp, dtype, budget, baseline, what in rows
+    ]
+
+
+SYSTEM = System(
+    name="gpt2-window",
+    summary="GPT-2 124M with sliding-window attention that never costs more memory than causal",
+    train=train_main,
+    eval=eval_main,
+    budgets=budget_entries,
+    extra_commands={"generate": generate_main},
+)

@@ -1,0 +1,152 @@
+"""The GPT's attention paths agree with a naive masked-softmax model of the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpt2_window.config import GPTConfig, preset
+from gpt2_window.model import GPT, SeedMaskCache
+
+
+def small(**kw) -> GPTConfig:
+    base = dict(block_size=96, vocab_size=71, n_layer=3, n_head=4, n_embd=64, bias=True)
+    base.update(kw)
+    return GPTConfig(**base)
+
+
+def twin(cfg: GPTConfig, **kw) -> tuple[GPT, GPT]:
+    """GPT(cfg) and a copy with other settings (e.g. attn_impl="ref") holding the same weights."""
+    torch.manual_seed(0)
+    a = GPT(cfg)
+    b = GPT(GPTConfig.from_dict({**cfg.to_dict(), **kw}))
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def run(model: GPT, x, y):
+    """Logits, loss and the gradient of every parameter for one batch (fp32)."""
+    model.zero_grad(set_to_none=True)
+    logits, loss = model(x, y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return logits.detach(), loss.detach(), grads
+
+
+def batch(cfg: GPTConfig, B=2, T=None, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    T = T or cfg.block_size
+    return torch.randint(0, cfg.vocab_size, (B, T), generator=g), torch.randint(
+        0, cfg.vocab_size, (B, T), generator=g
+    )
+
+
+def assert_same(a, b, atol=2e-5):
+    la, lossa, ga = a
+    lb, lossb, gb = b
+    torch.testing.assert_close(la, lb, atol=atol, rtol=1e-4)
+    torch.testing.assert_close(lossa, lossb, atol=atol, rtol=1e-5)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=atol, rtol=1e-3, msg=f"grad of {n}")
+
+
+@pytest.mark.parametrize(
+    "window",
+    [16, [8, None, 40], [1, 95, 24]],
+    ids=["w16", "per-layer-with-causal", "per-layer-edges"],
+)
+def test_window_model_matches_naive_reference(window):
+    cfg = small(window=window)
+    ours, ref = twin(cfg, attn_impl="ref")
+    x, y = batch(cfg)
+    assert_same(run(ours, x, y), run(ref, x, y))
+
+
+def test_causal_model_matches_naive_reference():
+    cfg = small()
+    ours, ref = twin(cfg, attn_impl="ref")
+    x, y = batch(cfg, T=77)
+    assert_same(run(ours, x, y), run(ref, x, y))
+
+
+def test_window_changes_the_output_when_sequence_is_longer():
+    """Guards the parity tests: a window that never bites would make them pass trivially."""
+    cfg = small(window=8)
+    windowed, causal = twin(cfg, window=None)
+    x, y = batch(cfg)
+    assert (windowed(x, y)[0] - causal(x, y)[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("T", [16, 32])
+def test_sequence_within_window_equals_causal(T):
+    cfg = small(window=32)
+    windowed, causal = twin(cfg, window=None)
+    x, y = batch(cfg, T=T)
+    assert_same(run(windowed, x, y), run(causal, x, y), atol=1e-6)
+
+
+def test_seed_baseline_is_numerically_the_same_model():
+    ref, seed = twin(small(window=[12, None, 12], attn_impl="ref"), attn_impl="seed")
+    x, y = batch(ref.config)
+    assert_same(run(seed, x, y), run(ref, x, y))
+    assert len(seed.seed_cache.masks) == 1  # one length, one window
+
+
+def test_checkpointing_gives_the_same_gradients():
+    cfg = small(window=[16, None, 8])
+    plain, ckpt = twin(cfg, checkpoint=True)
+    x, y = batch(cfg)
+    assert_same(run(plain, x, y), run(ckpt, x, y), atol=1e-6)
+
+
+def test_seed_mask_cache_is_bounded_and_reports_bytes():
+    cache = SeedMaskCache(max_size=10)
+    sizes = []
+    for T in range(40, 60):  # 20 different lengths, as a run with varied eval/generation lengths sees
+        cache.get(T, 16, torch.device("cpu"))
+        assert len(cache.masks) <= 10
+        sizes.append(cache.nbytes)
+    assert len(cache.masks) == 10
+    assert cache.nbytes == sum(T * T for T in range(50, 60))  # bool: one byte per (query, key)
+    assert sizes == sorted(sizes)
+
+
+def test_tied_embeddings_and_d12_parameter_count():
+    with torch.device("meta"):
+        model = GPT(preset("d12"))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    # GPT-2 small: biases everywhere, vocab padded to 50304, 1024 positions, tied lm_head
+    n = model.num_params()
+    C, L, V, P = 768, 12, 50304, 1024
+    expected = V * C + P * C + L * (12 * C * C + 13 * C) + 2 * C
+    assert n == expected
+
+
+def test_bad_configs_raise_clear_errors():
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        small(window=0)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        small(window=[4, -1, 4])
+    with pytest.raises(ValueError, match="one window"):
+        small(window=[4, 4])
+    with pytest.raises(ValueError, match="divisible"):
+        small(n_head=5)
+    with pytest.raises(ValueError, match="unknown model 'd13'.*d12, d12_window"):
+        preset("d13")
+    model = GPT(small())
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        model(torch.zeros(1, 97, dtype=torch.long))
+
+
+def test_generate_extends_past_the_context_and_respects_vocab_limit():
+    cfg = small(block_size=16, window=4)
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    x = torch.zeros(2, 3, dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    out = model.generate(x, 30, temperature=1.0, top_k=None, generator=g, vocab_limit=5)
+    assert out.shape == (2, 33)
+    assert torch.equal(out[:, :3], x)
+    assert int(out.max()) < 5
+    g2 = torch.Generator().manual_seed(0)
+    again = model.generate(x, 30, temperature=1.0, top_k=None, generator=g2, vocab_limit=5)
+    assert torch.equal(out, again)  # sampling is reproducible given the generator

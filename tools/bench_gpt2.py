@@ -1,0 +1,112 @@
+"""gpt2-window benchmarks: memory of the d12 budget rows, and quality of nanoGPT's CPU char model.
+
+    uv run python tools/bench_gpt2.py memory    # estimated peaks of d12 causal / window / fp32 / seed
+                                                # + estimate vs measured for each small calibration step
+    OMP_NUM_THREADS=1 uv run python tools/bench_gpt2.py quality [--data tinyshakespeare.txt]
+                                                # 2000 iterations of nanoGPT's shakespeare_char CPU config,
+                                                # then validation loss over 200 batches and tokens/s
+
+Every figure printed comes from this run; ratios are taken within the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAKESPEARE = REPO / ".." / "shared" / "data" / "text" / "tinyshakespeare.txt"
+
+# nanoGPT README, "I only have a macbook": train_shakespeare_char.py with these CPU overrides.
+NANOGPT_CPU = [
+    "--model", "tiny", "--batch_size", "12", "--sequence_length", "64", "--num_iterations", "2000",
+    "--lr", "1e-3", "--min_lr", "1e-4", "--warmup", "100", "--beta2", "0.99", "--weight_decay", "0.1",
+    "--dropout", "0.0", "--grad_clip", "1.0", "--eval_every", "250", "--eval_iters", "20",
+]  # fmt: skip
+
+
+def bench_memory() -> None:
+    from gpt2_window.system import budget_entries
+    from memfit.memory import estimate_training_step, measure_training_step
+
+    rows = []
+    for e in budget_entries():
+        t = time.perf_counter()
+        est = estimate_training_step(e.step)
+        secs = time.perf_counter() - t
+        cal_est = estimate_training_step(e.calibration)
+        cal_meas = measure_training_step(e.calibration)
+        rows.append((e, est, secs, cal_est.peak_bytes / cal_meas.peak_bytes, cal_meas.peak_mib))
+        cats = ", ".join(f"{k} {v:.2f}" for k, v in est.category_gib().items())
+        print(
+            f"{e.variant:12s} {e.dtype:5s} estimated {est.peak_gib:6.3f} GiB (budget {e.budget_gib}) "
+            f"[{cats}] in {secs:.0f} s; calibration estimate/measured = {rows[-1][3]:.4f} "
+            f"({cal_meas.peak_mib:.2f} MiB)",
+            flush=True,
+        )
+    peak = {e.variant: est.peak_bytes for e, est, *_ in rows}
+    print(f"window / causal = {peak['window'] / peak['causal']:.4f} (goal <= 1.02)")
+    print(f"seed baseline / causal = {peak['window-seed'] / peak['causal']:.4f} (must be > 1)")
+    print(f"seed baseline - causal = {(peak['window-seed'] - peak['causal']) / 2**20:.0f} MiB")
+
+
+def bench_quality(data: Path, runs_dir: str, amp: str, model: str, seed: int) -> None:
+    from gpt2_window.eval import run as eval_run
+    from gpt2_window.train import run as train_run
+
+    if not data.exists():
+        raise SystemExit(f"{data} not found; pass --data path/to/tinyshakespeare.txt")
+    name = f"nanogpt-cpu-{model}-seed{seed}"
+    argv = [
+        *NANOGPT_CPU,
+        "--data",
+        str(data),
+        "--runs_dir",
+        runs_dir,
+        "--run_name",
+        name,
+        "--seed",
+        str(seed),
+    ]
+    argv[argv.index("tiny")] = model
+    argv += ["--amp", amp, "--save_every", "500", "--no_progress", "--log_every", "100"]
+    t = time.perf_counter()
+    result = train_run(argv)
+    wall = time.perf_counter() - t
+    run = Path(runs_dir) / "gpt2-window" / name
+    final = eval_run(["--run", str(run), "--eval_iters", "200", "--batch_size", "12", "--json"])
+    summary = {
+        "model": model,
+        "seed": seed,
+        "amp": amp,
+        "val_loss_200_batches": final["loss"],
+        "val_loss_in_training_20_batches": result.get("eval/val_loss"),
+        "train_loss_20_batches": result.get("eval/train_loss"),
+        "tokens_per_s": result.get("tokens_per_s"),
+        "wall_s": wall,
+        "goal": "val loss <= 1.88 (nanoGPT README)",
+    }
+    print(json.dumps(summary, indent=1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    sub.add_parser("memory")
+    q = sub.add_parser("quality")
+    q.add_argument("--data", type=Path, default=SHAKESPEARE)
+    q.add_argument("--runs_dir", default="runs")
+    q.add_argument("--amp", default="none", choices=["none", "bf16"], help="nanoGPT on CPU trains in fp32")
+    q.add_argument("--model", default="tiny", choices=["tiny", "tiny_window"])
+    q.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.what == "memory":
+        bench_memory()
+    else:
+        bench_quality(args.data, args.runs_dir, args.amp, args.model, args.seed)
+
+
+if __name__ == "__main__":
+    main()
