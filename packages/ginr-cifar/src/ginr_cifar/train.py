@@ -1,0 +1,260 @@
+"""Train Mamba-GINR on CIFAR-10 (or the embedded default set): `ginr-train --help`.
+
+Each step takes random images and a random subset of their pixels (``--num_sample_coords``, default 512
+of 1024), encodes the images to latent tokens and decodes the sampled coordinates. Batches are drawn
+from one uint8 tensor by a generator seeded per (seed, step, micro), so ``--resume`` is exact.
+``--profile`` times encode vs decode and reports their memory, then exits (the seed's profile_model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from memfit.training import (
+    Trainer,
+    add_loop_args,
+    autocast_context,
+    dist_info,
+    loop_config_from_args,
+    resolve_device,
+    set_seed,
+    step_generator,
+    warmup_cosine_lambda,
+)
+
+from ginr_cifar.config import PRESETS, get_config
+from ginr_cifar.data import default_cache_dir, load_split, sample_batch
+from ginr_cifar.model import GINR
+
+SYSTEM_NAME = "ginr-cifar"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ginr-train", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--data", default=None, help="CIFAR-10 batches folder or ImageFolder tree (default: embedded)"
+    )
+    p.add_argument(
+        "--config",
+        default="auto",
+        choices=["auto", *PRESETS],
+        help="preset (auto: balanced on CUDA, tiny on CPU)",
+    )
+    p.add_argument("--decoder", choices=["attn", "ff", "xattn"], default=None, help="decoder variant")
+    p.add_argument("--decoder_width", type=int, default=None)
+    p.add_argument("--decoder_depth", type=int, default=None, help="decoder scales")
+    p.add_argument("--checkpointing", action="store_true", help="per-block activation checkpointing")
+    p.add_argument("--batch_size", type=int, default=64)
+    p.add_argument("--num_sample_coords", type=int, default=512, help="pixels per image per step (of 1024)")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=100, help="linear warmup steps before the cosine decay")
+    p.add_argument("--holdout", type=int, default=500, help="training images held out for evaluation")
+    p.add_argument("--max_images", type=int, default=None, help="use only the first N training images")
+    p.add_argument("--eval_every", type=int, default=0, help="held-out PSNR every N steps (0: at the end)")
+    p.add_argument("--eval_images", type=int, default=500, help="held-out images in that PSNR")
+    p.add_argument("--cache_dir", default=str(default_cache_dir()), help="decoded-image cache for folders")
+    p.add_argument("--no_cache", action="store_true", help="decode image folders every time")
+    p.add_argument("--profile", action="store_true", help="time encode vs decode, report memory, and exit")
+    p.add_argument("--profile_iters", type=int, default=10)
+    add_loop_args(p, steps=1000, log_every=10, save_every=200)
+    return p
+
+
+def _model_config(args: argparse.Namespace, device: torch.device):
+    name = args.config if args.config != "auto" else ("balanced" if device.type == "cuda" else "tiny")
+    return name, get_config(
+        name,
+        decoder=args.decoder,
+        decoder_width=args.decoder_width,
+        decoder_depth=args.decoder_depth,
+        checkpoint=True if args.checkpointing else None,
+    )
+
+
+def mse_loss(model: torch.nn.Module, batch) -> torch.Tensor:
+    """Batch (images, coords, rgb) -> mean squared error of the decoded pixels (fp32)."""
+    images, coords, target = batch
+    return F.mse_loss(model(images, coords).float(), target)
+
+
+@torch.no_grad()
+def reconstruct(model: GINR, images: torch.Tensor, batch_size: int = 100) -> torch.Tensor:
+    """uint8 or float images (N, C, H, W) -> reconstructions (N, C, H, W) in [0, 1], all pixels decoded."""
+    from ginr_cifar.data import pixel_coords, pixels_to_image
+
+    device = next(model.parameters()).device
+    size = model.cfg.image_size
+    grid = pixel_coords(size, device=device)
+    out = []
+    for i in range(0, images.shape[0], batch_size):
+        x = images[i : i + batch_size].to(device)
+        x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
+        rgb = model(x, grid.expand(x.shape[0], -1, -1)).float().clamp(0, 1)
+        out.append(pixels_to_image(rgb, size).cpu())
+    return torch.cat(out)
+
+
+def psnr_per_image(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """pred, target (N, C, H, W) in [0, 1] -> PSNR in dB per image (N,)."""
+    mse = (pred.float() - target.float()).pow(2).flatten(1).mean(1).clamp_min(1e-10)
+    return -10 * torch.log10(mse)
+
+
+def mean_colour_psnr(images: torch.Tensor) -> float:
+    """PSNR of predicting each image's mean colour: the floor any reconstruction must clear."""
+    x = images.float() / 255 if images.dtype == torch.uint8 else images.float()
+    return psnr_per_image(x.mean((2, 3), keepdim=True).expand_as(x), x).mean().item()
+
+
+def evaluate_psnr(model: GINR, images: torch.Tensor, batch_size: int = 100) -> float:
+    """Mean full-resolution PSNR (dB, pixels in [0, 1]) over uint8 images (N, C, H, W)."""
+    recon = reconstruct(model, images, batch_size)
+    return psnr_per_image(recon, images.float() / 255).mean().item()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int = 10) -> dict[str, float]:
+    """Time encode vs decode (forward, ms) and measure peak memory of each and of a training step (MiB)."""
+    from memfit.memory import measure_peak
+
+    images, coords, target = batch
+    model.eval()
+    times = {"encode_ms": [], "decode_ms": []}
+    with torch.no_grad(), autocast_context(amp, device):
+        for i in range(iters + 1):  # the first iteration warms up and is dropped
+            _sync(device)
+            t0 = time.perf_counter()
+            latent = model.encode(images)
+            _sync(device)
+            t1 = time.perf_counter()
+            model.decode(latent, coords)
+            _sync(device)
+            t2 = time.perf_counter()
+            if i:
+                times["encode_ms"].append((t1 - t0) * 1e3)
+                times["decode_ms"].append((t2 - t1) * 1e3)
+    out = {k: sum(v) / len(v) for k, v in times.items()}
+    model.train()
+    with autocast_context(amp, device):
+        with measure_peak(device) as m_enc:
+            latent = model.encode(images)
+        with measure_peak(device) as m_dec:
+            loss = F.mse_loss(model.decode(latent, coords).float(), target)
+    with measure_peak(device) as m_bwd:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    out["encode_fwd_mib"] = m_enc.peak_mib
+    out["decode_fwd_mib"] = m_dec.peak_mib
+    out["backward_mib"] = m_bwd.peak_mib
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    loop = loop_config_from_args(args, system=SYSTEM_NAME)
+    device = resolve_device(loop.device)
+    try:
+        name, cfg = _model_config(args, device)
+        train_set = load_split(
+            args.data,
+            "train",
+            holdout=args.holdout,
+            max_images=args.max_images,
+            cache_dir=None if args.no_cache else args.cache_dir,
+        )
+        held = (
+            load_split(
+                args.data,
+                "holdout",
+                holdout=args.holdout,
+                cache_dir=None if args.no_cache else args.cache_dir,
+            )
+            if args.holdout
+            else None
+        )
+        if args.batch_size < 1:
+            raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
+        if not 1 <= args.num_sample_coords <= cfg.num_pixels:
+            raise ValueError(
+                f"--num_sample_coords must be in [1, {cfg.num_pixels}], got {args.num_sample_coords}"
+            )
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"ginr-train: {e}") from None
+
+    set_seed(loop.seed)
+    model = GINR(cfg).to(device)
+    print(
+        f"ginr-train: config {name} (decoder {cfg.decoder}, width {cfg.decoder_width}), "
+        f"{model.num_params() / 1e6:.2f}M params; {len(train_set)} training images from {train_set.source}"
+        + (f"; {len(held)} held out" if held is not None else ""),
+        file=sys.stderr,
+    )
+    images = train_set.images
+    if device.type == "cuda":  # the whole set fits on the GPU (150 MB): batches are then pure indexing
+        images = images.pin_memory().to(device, non_blocking=True)
+
+    rank = dist_info().rank  # each DDP rank draws its own batches
+
+    def get_batch(step: int, micro: int):
+        g = step_generator(loop.seed, step, micro, rank=rank)
+        return sample_batch(images, args.batch_size, args.num_sample_coords, g, device)
+
+    if args.profile:
+        batch = get_batch(0, 0)
+        res = profile_model(model, batch, device, loop.amp, args.profile_iters)
+        print(
+            f"profile ({device.type}, batch {args.batch_size}, {args.num_sample_coords} coords, "
+            f"amp {loop.amp}): "
+            f"encode {res['encode_ms']:.1f} ms, decode {res['decode_ms']:.1f} ms forward; "
+            f"peak memory: encode fwd {res['encode_fwd_mib']:.1f} MiB, "
+            f"decode fwd {res['decode_fwd_mib']:.1f} MiB, "
+            f"backward {res['backward_mib']:.1f} MiB"
+        )
+        return res
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_cosine_lambda(loop.steps, min(args.warmup, loop.steps))
+    )
+    eval_imgs = held.images[: args.eval_images] if held is not None else None
+
+    def eval_fn(m: GINR) -> dict[str, float]:
+        return {"holdout_psnr": evaluate_psnr(m, eval_imgs)}
+
+    trainer = Trainer(
+        model,
+        opt,
+        mse_loss,
+        get_batch,
+        loop,
+        scheduler=sched,
+        eval_fn=eval_fn if eval_imgs is not None and len(eval_imgs) else None,
+        eval_every=args.eval_every,
+        model_config={"ginr": cfg.to_dict(), "preset": name, "data": args.data, "holdout": args.holdout},
+        items_per_step=args.batch_size * args.grad_accum,
+    )
+    result = trainer.fit()
+    if "eval/holdout_psnr" in result:
+        baseline = mean_colour_psnr(eval_imgs)
+        print(
+            f"held-out PSNR {result['eval/holdout_psnr']:.2f} dB on {len(eval_imgs)} images "
+            f"(mean-colour baseline {baseline:.2f} dB)"
+        )
+        result["mean_colour_psnr"] = baseline
+    if not math.isfinite(result.get("loss", 0.0)):
+        raise SystemExit("ginr-train: loss is not finite")
+    return result
+
+
+if __name__ == "__main__":
+    main()

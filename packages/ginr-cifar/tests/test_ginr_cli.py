@@ -1,0 +1,83 @@
+"""train / eval CLIs: a few steps on the embedded set and the shared CIFAR folder, exact resume, eval."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from ginr_cifar import eval as ginr_eval
+from ginr_cifar import train as ginr_train
+from memfit.training import list_checkpoints, load_checkpoint
+from PIL import Image
+
+SHARED = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "cifar10-jpg" / "train"
+SMALL = [
+    "--config",
+    "tiny",
+    "--batch_size",
+    "4",
+    "--num_sample_coords",
+    "64",
+    "--no_progress",
+    "--warmup",
+    "2",
+]
+
+
+def _train(tmp_path, name, *extra):
+    argv = [*SMALL, "--runs_dir", str(tmp_path / "runs"), "--run_name", name, "--holdout", "100"]
+    argv += ["--eval_images", "8", "--cache_dir", str(tmp_path / "cache"), *extra]
+    return ginr_train.main(argv)
+
+
+def test_ginr_train_checkpoints_resume_exactly_and_eval(tmp_path, capsys):
+    res = _train(tmp_path, "a", "--steps", "4", "--save_every", "2", "--keep_last", "5")
+    run_a = tmp_path / "runs" / "ginr-cifar" / "a"
+    assert [p.name for p in list_checkpoints(run_a)] == ["ckpt_0000002.pt", "ckpt_0000004.pt"]
+    assert res["step"] == 4 and torch.isfinite(torch.tensor(res["loss"]))
+    assert "peak memory consumption" in capsys.readouterr().out
+
+    # resume from the step-2 checkpoint in a fresh run folder: must land on the very same weights
+    run_b = tmp_path / "runs" / "ginr-cifar" / "b"
+    run_b.mkdir(parents=True)
+    shutil.copy(run_a / "ckpt_0000002.pt", run_b / "ckpt_0000002.pt")
+    _train(tmp_path, "b", "--steps", "4", "--save_every", "2", "--resume")
+    wa, wb = load_checkpoint(run_a)["model"], load_checkpoint(run_b)["model"]
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+    out = ginr_eval.main(["--run", str(run_a), "--num_images", "12", "--grid", "6", "--device", "cpu"])
+    saved = json.loads((run_a / "eval_holdout.json").read_text())
+    assert saved["num_images"] == 12 and abs(saved["psnr"] - out["psnr"]) < 1e-9
+    assert 0 < saved["psnr"] < 60 and saved["mean_colour_psnr"] > 0
+    with Image.open(run_a / "recon_holdout.png") as im:
+        # 2 rows (truth, reconstruction) x 6 images of 32x32 upscaled 4x, with 2-pixel padding
+        assert im.size == (6 * (128 + 2) + 2, 2 * (128 + 2) + 2)
+
+
+def test_ginr_train_on_shared_cifar_folder(tmp_path):
+    if not SHARED.exists():
+        pytest.skip(f"shared CIFAR-10 JPEGs not found at {SHARED}")
+    res = _train(
+        tmp_path, "cifar", "--data", str(SHARED), "--steps", "2", "--max_images", "64", "--decoder", "xattn"
+    )
+    assert res["step"] == 2 and "eval/holdout_psnr" in res
+    ckpt = load_checkpoint(tmp_path / "runs" / "ginr-cifar" / "cifar")
+    assert ckpt["model_config"]["ginr"]["decoder"] == "xattn" and ckpt["model_config"]["data"] == str(SHARED)
+
+
+def test_ginr_profile_mode(tmp_path, capsys):
+    res = _train(tmp_path, "p", "--profile", "--profile_iters", "2")
+    assert res["encode_ms"] > 0 and res["decode_ms"] > 0 and res["backward_mib"] > 0
+    assert "encode" in capsys.readouterr().out
+
+
+def test_ginr_cli_errors_are_clear(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no images found"):
+        _train(tmp_path, "x", "--data", str(tmp_path / "empty"), "--steps", "1")
+    with pytest.raises(SystemExit, match="num_sample_coords"):
+        _train(tmp_path, "x", "--num_sample_coords", "5000", "--steps", "1")
+    with pytest.raises(SystemExit, match="no checkpoint|does not exist"):
+        ginr_eval.main(["--run", str(tmp_path / "nothing_here"), "--device", "cpu"])
