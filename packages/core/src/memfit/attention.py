@@ -1,0 +1,482 @@
+"""One attention entry point, dispatching to the cheapest path that computes the same thing.
+
+``attention(q, k, v, *, causal=False, window=None, scale=None)`` takes q, k, v as
+``scaled_dot_product_attention`` does, (batch, heads, L, head_dim), and ``window=w`` means a causal
+sliding window: query i sees keys i-w+1 .. i. Paths, in order:
+
+1. ``flash`` - flash-attn's ``flash_attn_func`` with ``window_size=(w-1, 0)`` (CUDA, fp16/bf16, installed).
+2. ``sdpa`` - no window, or a window that covers the whole sequence (Lq <= w): ``is_causal``, never a
+   dense mask. Cross-attention (Lq != Lk) without a window also lands here.
+3. ``flex`` - FlexAttention on CUDA with a block mask from ONE bounded LRU cache keyed by
+   (L, window, device), built once per key with B=None/H=None so it broadcasts over batch and heads.
+4. ``band`` - everywhere else (CPU): queries in blocks, each block against only its key band, inside a
+   custom autograd Function that keeps (out, logsumexp) and recomputes the band scores in backward,
+   flash-style. Time O(L*w); memory O(L*D) plus one bounded group of band scores.
+
+``attention_ref`` is the plain masked-softmax reference the tests compare every path against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "flash", "sdpa", "flex", "band", "ref")
+
+# flash-attn builds without CUDA only when forced, and then fails to import its extension: guard broadly.
+try:  # pragma: no cover - depends on the machine
+    from flash_attn import flash_attn_func as _flash_attn_func
+except (ImportError, OSError, RuntimeError):
+    _flash_attn_func = None
+
+# Queries per block on the band path (at most), and a cap on the bytes of fp32 band buffers one group of
+# blocks may hold (the group is the unit of work: bigger groups mean fewer Python steps, smaller ones a
+# lower peak; see _groups).
+BAND_BLOCK = 64
+BAND_GROUP_BYTES = 64 * 2**20
+
+
+def attention_ref(q, k, v, *, causal=False, window=None, scale=None):
+    """Naive masked-softmax attention; q (B, H, Lq, D), k/v (B, H, Lk, D) -> (B, H, Lq, D)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)).float() * scale
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    if causal or window is not None:
+        i = torch.arange(Lq, device=q.device)[:, None] + (Lk - Lq)
+        j = torch.arange(Lk, device=q.device)[None, :]
+        mask = j <= i
+        if window is not None:
+            mask = mask & (j > i - window)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1).to(v.dtype)) @ v
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forcing a path (tests, benchmarks)
+# ----------------------------------------------------------------------------------------------------
+
+_forced = threading.local()
+
+
+@contextlib.contextmanager
+def force_backend(name: str) -> Iterator[None]:
+    """``with force_backend("band"): ...`` makes every ``attention`` call inside take that path."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    prev = getattr(_forced, "name", None)
+    _forced.name = name
+    try:
+        yield
+    finally:
+        _forced.name = prev
+
+
+def flash_available() -> bool:
+    """True when flash-attn imported (its kernels still need CUDA tensors in fp16/bf16)."""
+    return _flash_attn_func is not None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Block-mask cache for FlexAttention
+# ----------------------------------------------------------------------------------------------------
+
+
+class _BlockMaskCache:
+    """LRU of FlexAttention block masks keyed by (L, window, device); one broadcastable mask per key."""
+
+    def __init__(self, max_entries: int = 8) -> None:
+        self.max_entries = max_entries
+        self._masks: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, L: int, window: int, device: torch.device):
+        key = (int(L), int(window), str(torch.device(device)))
+        with self._lock:
+            if key in self._masks:
+                self._masks.move_to_end(key)
+                return self._masks[key]
+        mask = _build_window_block_mask(L, window, device)
+        with self._lock:
+            self._masks[key] = mask
+            self._masks.move_to_end(key)
+            while len(self._masks) > self.max_entries:
+                self._masks.popitem(last=False)
+        return mask
+
+    def resize(self, max_entries: int) -> None:
+        if not isinstance(max_entries, int) or max_entries < 1:
+            raise ValueError(f"block-mask cache size must be an int >= 1, got {max_entries!r}")
+        with self._lock:
+            self.max_entries = max_entries
+            while len(self._masks) > self.max_entries:
+                self._masks.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._masks.clear()
+
+    def info(self) -> dict:
+        with self._lock:
+            masks = list(self._masks.values())
+            keys = list(self._masks.keys())
+        return {
+            "entries": len(masks),
+            "max_entries": self.max_entries,
+            "bytes": sum(_block_mask_nbytes(m) for m in masks),
+            "keys": keys,
+        }
+
+
+def _window_mask_mod(window: int):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return mask_mod
+
+
+def _build_window_block_mask(L: int, window: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    # B=None, H=None: one mask broadcast over batch and heads, so its size never grows with either.
+    return create_block_mask(_window_mask_mod(window), None, None, L, L, device=device)
+
+
+def _block_mask_nbytes(mask) -> int:
+    return sum(t.untyped_storage().nbytes() for t in mask.as_tuple() if isinstance(t, torch.Tensor))
+
+
+_BLOCK_MASKS = _BlockMaskCache()
+
+
+def block_mask_cache_info() -> dict:
+    """The block-mask cache: ``{"entries", "max_entries", "bytes", "keys"}``."""
+    return _BLOCK_MASKS.info()
+
+
+def set_block_mask_cache_size(max_entries: int) -> None:
+    """Bound the block-mask cache to ``max_entries`` masks (least recently used ones go first)."""
+    _BLOCK_MASKS.resize(max_entries)
+
+
+def clear_block_mask_cache() -> None:
+    """Drop every cached block mask."""
+    _BLOCK_MASKS.clear()
+
+
+def window_block_mask(L: int, window: int, device="cpu"):
+    """The cached FlexAttention BlockMask for a causal window of ``window`` over length ``L``."""
+    return _BLOCK_MASKS.get(L, window, device)
+
+
+_compiled_flex = None
+
+
+def _flex(q, k, v, window, scale):
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if q.is_cuda:
+        # Eager flex materialises the full score matrix; compiled it runs the block-sparse kernel.
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        fn = _compiled_flex
+    block_mask = _BLOCK_MASKS.get(q.shape[-2], window, q.device)
+    return fn(q, k, v, block_mask=block_mask, scale=scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Band path: blocked queries against their key band, recomputed in backward
+# ----------------------------------------------------------------------------------------------------
+
+
+def _band_geometry(L: int, window: int, block: int) -> tuple[int, int, int]:
+    """(c, m, nb): block size, how many earlier blocks a block's band reaches back, number of blocks."""
+    c = max(1, min(block, L))
+    m = -(-(window - 1) // c)  # ceil((w-1)/c): earlier key blocks any query of a block can see
+    nb = -(-L // c)
+    return c, m, nb
+
+
+def _band_slice(x: torch.Tensor, j0: int, j1: int, c: int, m: int) -> torch.Tensor:
+    """Key blocks j0-m .. j1-1 of x (B, H, L, D), zero-padded past either end -> (B, H, j1-j0+m, c, D)."""
+    L = x.shape[-2]
+    lo, hi = (j0 - m) * c, j1 * c
+    part = x[:, :, max(lo, 0) : min(hi, L)]
+    if lo < 0 or hi > L:
+        part = F.pad(part, (0, 0, max(0, -lo), max(0, hi - L)))
+    return part.reshape(x.shape[0], x.shape[1], j1 - j0 + m, c, x.shape[-1])
+
+
+def _bands(blocks: torch.Tensor, G: int, m: int) -> torch.Tensor:
+    """(B, H, G+m, c, D) key blocks -> (B, H, G, (m+1)*c, D): the band of each of the G query blocks."""
+    B, H, _, c, D = blocks.shape
+    return torch.stack([blocks[:, :, r : r + G] for r in range(m + 1)], dim=3).reshape(
+        B, H, G, (m + 1) * c, D
+    )
+
+
+def _band_mask(j0: int, j1: int, c: int, m: int, window: int, device) -> torch.Tensor:
+    """Masked-out (query, band key) pairs for query blocks j0..j1-1 -> bool (c, band) or (G, c, band)."""
+    i = torch.arange(c, device=device)[:, None]
+    r = torch.arange((m + 1) * c, device=device)[None, :] - m * c  # key offset from the block start
+    hidden = (r > i) | (r <= i - window)
+    if j0 >= m:
+        return hidden  # the same for every block: broadcast
+    # Only the first m blocks reach before position 0, into zero padding that must stay masked.
+    key_pos = torch.arange(j0, j1, device=device)[:, None] * c + r  # (G, band)
+    return hidden[None] | (key_pos < 0)[:, None, :]
+
+
+def _groups(q: torch.Tensor, nb: int, c: int, m: int):
+    """Spans [j0, j1) of query blocks whose fp32 band buffers fit the group budget."""
+    B, H, L, D = q.shape
+    band = (m + 1) * c
+    # Live at once in backward, per block: scores and their gradient (c x band each), the K and V bands
+    # and a band gradient with its accumulator (band x D each, in fp32). Three quarters of q's own size
+    # keeps the step's peak below SDPA's (out, dq, dk, dv and one more q-sized buffer) at long lengths.
+    per_block = B * H * 4 * band * (2 * c + 3 * D)
+    budget = min(BAND_GROUP_BYTES, B * H * L * D * q.element_size() * 3 // 4)
+    G = max(1, min(nb, budget // per_block))
+    for j0 in range(0, nb, G):
+        yield j0, min(nb, j0 + G)
+
+
+class _BandGradAccumulator:
+    """Overlap-adds per-group band gradients in fp32 and writes each key block out once it is complete.
+
+    Key block b hears from query blocks b .. b+m only, so after query blocks < j1 are done every key block
+    < j1-m is final: only m blocks are carried from group to group, and the full-length gradient is
+    allocated once, in the input dtype, with no full-length fp32 accumulator beside it.
+    """
+
+    def __init__(self, like: torch.Tensor, dim: int, c: int, m: int, acc: torch.dtype) -> None:
+        B, H, L, _ = like.shape
+        self.out = like.new_empty(B, H, L, dim)
+        self.c, self.m, self.acc = c, m, acc
+        self.carry = like.new_zeros(B, H, m * c, dim, dtype=acc)
+
+    def _write(self, src: torch.Tensor, lo: int) -> None:
+        """Rows of src are keys lo, lo+1, ...; copy the ones inside [0, L)."""
+        L = self.out.shape[-2]
+        a, b = max(lo, 0), min(lo + src.shape[-2], L)
+        if a < b:
+            self.out[:, :, a:b] = src[:, :, a - lo : b - lo]
+
+    def add(self, bands: torch.Tensor, j0: int, j1: int) -> None:
+        """bands (B, H, G, (m+1)*c, Dv): gradients for the key bands of query blocks j0 .. j1-1."""
+        B, H, G = bands.shape[:3]
+        c, m = self.c, self.m
+        local = torch.cat([self.carry, bands.new_zeros(B, H, G * c, bands.shape[-1])], dim=2)
+        pieces = bands.view(B, H, G, m + 1, c, -1)
+        for r in range(m + 1):  # piece r of query block j is key block j-m+r
+            local[:, :, r * c : (r + G) * c] += pieces[:, :, :, r].reshape(B, H, G * c, -1)
+        self._write(local[:, :, : G * c], (j0 - m) * c)
+        self.carry = local[:, :, G * c :]
+
+    def finish(self, nb: int) -> torch.Tensor:
+        self._write(self.carry, (nb - self.m) * self.c)
+        return self.out
+
+
+def _pad_rows(x: torch.Tensor, j0: int, j1: int, c: int) -> torch.Tensor:
+    """Query rows of blocks j0..j1-1, zero-padded at the end -> (B, H, G, c, D)."""
+    L = x.shape[-2]
+    part = x[:, :, j0 * c : min(j1 * c, L)]
+    if j1 * c > L:
+        part = F.pad(part, (0, 0, 0, j1 * c - L))
+    return part.reshape(x.shape[0], x.shape[1], j1 - j0, c, x.shape[-1])
+
+
+def _scores(qg, kb, hidden, scale):
+    s = torch.matmul(qg, kb.transpose(-1, -2))
+    s.mul_(scale)
+    s.masked_fill_(hidden, float("-inf"))
+    return s
+
+
+class _BandAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, window: int, scale: float, block: int):
+        B, H, L, D = q.shape
+        c, m, nb = _band_geometry(L, window, block)
+        acc = torch.promote_types(q.dtype, torch.float32)  # scores and softmax in fp32 at least
+        out = q.new_empty(B, H, L, v.shape[-1])
+        lse = torch.empty(B, H, L, dtype=acc, device=q.device)
+        with torch.autocast(q.device.type, enabled=False):
+            for j0, j1 in _groups(q, nb, c, m):
+                G = j1 - j0
+                hidden = _band_mask(j0, j1, c, m, window, q.device)
+                qg = _pad_rows(q, j0, j1, c).to(acc)
+                kb = _bands(_band_slice(k, j0, j1, c, m).to(acc), G, m)
+                vb = _bands(_band_slice(v, j0, j1, c, m).to(acc), G, m)
+                s = _scores(qg, kb, hidden, scale)
+                # Softmax by hand, in place: logsumexp would make its own copies of the scores.
+                mx = s.amax(dim=-1, keepdim=True)
+                s.sub_(mx).exp_()
+                den = s.sum(dim=-1, keepdim=True)
+                og = torch.matmul(s, vb).div_(den)
+                lse_g = (mx + den.log()).squeeze(-1)
+                rows = min(j1 * c, L) - j0 * c
+                out[:, :, j0 * c : j0 * c + rows] = og.reshape(B, H, G * c, -1)[:, :, :rows]
+                lse[:, :, j0 * c : j0 * c + rows] = lse_g.reshape(B, H, G * c)[:, :, :rows]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (window, scale, block)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        window, scale, block = ctx.cfg
+        B, H, L, D = q.shape
+        c, m, nb = _band_geometry(L, window, block)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        dq = torch.empty_like(q)
+        dk = _BandGradAccumulator(k, D, c, m, acc)
+        dv = _BandGradAccumulator(v, v.shape[-1], c, m, acc)
+        with torch.autocast(q.device.type, enabled=False):
+            for j0, j1 in _groups(q, nb, c, m):
+                G = j1 - j0
+                rows = min(j1 * c, L) - j0 * c
+                hidden = _band_mask(j0, j1, c, m, window, q.device)
+                qg = _pad_rows(q, j0, j1, c).to(acc)
+                dog = _pad_rows(dout, j0, j1, c).to(acc)
+                og = _pad_rows(out, j0, j1, c).to(acc)
+                lse_g = _pad_rows(lse[..., None], j0, j1, c)  # (B, H, G, c, 1); padded rows: 0
+                kb = _bands(_band_slice(k, j0, j1, c, m).to(acc), G, m)
+                vb = _bands(_band_slice(v, j0, j1, c, m).to(acc), G, m)
+                p = _scores(qg, kb, hidden, scale).sub_(lse_g).exp_()
+                # Each band gradient is added in and dropped before the next is made: a lower peak.
+                dv.add(torch.matmul(p.transpose(-1, -2), dog), j0, j1)
+                delta = (dog * og).sum(-1, keepdim=True)
+                ds = torch.matmul(dog, vb.transpose(-1, -2)).sub_(delta).mul_(p).mul_(scale)
+                del p, vb
+                dq[:, :, j0 * c : j0 * c + rows] = torch.matmul(ds, kb).reshape(B, H, G * c, D)[:, :, :rows]
+                dk.add(torch.matmul(ds.transpose(-1, -2), qg), j0, j1)
+        dk, dv = dk.finish(nb), dv.finish(nb)
+        return dq, dk, dv, None, None, None
+
+
+def band_attention(q, k, v, window: int, scale: float | None = None, block: int | None = None):
+    """Causal sliding-window attention in O(L*w) time and memory; q, k, v (B, H, L, D) -> (B, H, L, D)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if block is None:
+        # Blocks of half the window (at most BAND_BLOCK) waste at most a third of the band on masked keys.
+        block = min(BAND_BLOCK, max(16, window // 2))
+    return _BandAttention.apply(q, k, v, int(window), scale, int(block))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Dispatcher
+# ----------------------------------------------------------------------------------------------------
+
+
+def _validate(q, k, v, causal, window, scale) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"attention: {name} must be 4-D (batch, heads, length, head_dim), got shape "
+                f"{tuple(t.shape)}; reshape with .view(B, L, H, D).transpose(1, 2)"
+            )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"attention: q and k head dims differ ({q.shape[-1]} vs {k.shape[-1]})")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"attention: k and v lengths differ ({k.shape[-2]} vs {v.shape[-2]})")
+    if not (q.shape[:2] == k.shape[:2] == v.shape[:2]):
+        raise ValueError(
+            f"attention: batch/heads must match, got q {tuple(q.shape[:2])}, k {tuple(k.shape[:2])}, "
+            f"v {tuple(v.shape[:2])}"
+        )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); cast them first"
+        )
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention: q, k, v on different devices ({q.device}, {k.device}, {v.device})")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+            raise ValueError(f"attention: window must be a positive int (keys i-w+1..i), got {window!r}")
+        if q.shape[-2] != k.shape[-2]:
+            raise ValueError(
+                f"attention: a window needs self-attention (Lq == Lk), got Lq={q.shape[-2]}, Lk={k.shape[-2]}"
+            )
+    if causal and q.shape[-2] > k.shape[-2]:
+        raise ValueError(
+            f"attention: causal with Lq={q.shape[-2]} > Lk={k.shape[-2]} leaves queries with no keys"
+        )
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise ValueError(f"attention: scale must be a float or None, got {scale!r}")
+
+
+def _sdpa(q, k, v, causal, scale):
+    Lq, Lk = q.shape[-2], k.shape[-2]
+    if causal and Lq != Lk:
+        from torch.nn.attention.bias import causal_lower_right
+
+        # Same alignment as flash-attn and attention_ref: the last query sees every key.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(Lq, Lk), scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def select_backend(q, k, v, *, causal=False, window=None) -> str:
+    """The path ``attention`` would take for these inputs (ignoring ``force_backend``)."""
+    L = q.shape[-2]
+    if window is None or window >= L:
+        return "sdpa"
+    if q.is_cuda and _flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
+        return "flash"
+    if q.is_cuda:
+        return "flex"
+    return "band"
+
+
+def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
+    """q, k, v (B, H, L, D) as SDPA -> (B, H, Lq, D); window=w: causal window, query i sees keys i-w+1..i.
+
+    ``backend`` (or ``force_backend``) picks a path by name: auto (default), flash, sdpa, flex, band, ref.
+    """
+    _validate(q, k, v, causal, window, scale)
+    name = backend or getattr(_forced, "name", None) or "auto"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    if name == "auto":
+        name = select_backend(q, k, v, causal=causal, window=window)
+    if name == "ref":
+        return attention_ref(q, k, v, causal=causal, window=window, scale=scale)
+    if window is None:
+        if name in ("band", "flex", "flash"):
+            # These paths exist for windows; full attention is SDPA's job.
+            name = "sdpa"
+        return _sdpa(q, k, v, causal, scale)
+    if name == "sdpa":
+        if q.shape[-2] > window:
+            raise ValueError(
+                f"attention: the sdpa path covers windows only when L <= window (L={q.shape[-2]}, "
+                f"window={window}); use backend='band', 'flex' or 'auto'"
+            )
+        return _sdpa(q, k, v, True, scale)
+    if name == "flash":
+        if _flash_attn_func is None or not q.is_cuda:
+            raise ValueError("attention: backend='flash' needs flash-attn installed and CUDA tensors")
+        # flash-attn's layout is (B, L, H, D).
+        o = _flash_attn_func(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            softmax_scale=scale,
+            causal=True,
+            window_size=(window - 1, 0),
+        )
+        return o.transpose(1, 2)
+    if name == "flex":
+        return _flex(q, k, v, window, scale)
+    return band_attention(q, k, v, window, scale)

@@ -1,0 +1,320 @@
+"""Every attention path against the plain masked-softmax reference: forward and gradients."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import memfit.attention as A
+import pytest
+import torch
+from memfit.attention import attention, attention_ref, band_attention, force_backend
+from memfit.memory import fake_mode, measure_peak
+from torch.nn.attention.flex_attention import create_block_mask
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _qkv(B, H, Lq, D, Lk=None, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    Lk = Lq if Lk is None else Lk
+    shapes = [(B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, D)]
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def _fwd_bwd(fn, q, k, v, seed=1):
+    out = fn(q, k, v)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    return out, grads
+
+
+def _assert_close(got, want, atol, rtol=0.0):
+    out, grads = got
+    out_r, grads_r = want
+    torch.testing.assert_close(out.float(), out_r.float(), atol=atol, rtol=rtol)
+    for name, a, b in zip("qkv", grads, grads_r):
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol, msg=f"grad {name}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# band path (the CPU window path)
+# ----------------------------------------------------------------------------------------------------
+
+# (B, H, L, D, window, block): odd lengths, L < w, L not a multiple of the block, w = 1, band > 1 block.
+BAND_CASES = [
+    (2, 3, 37, 8, 5, 4),
+    (1, 2, 100, 16, 17, 8),
+    (1, 1, 10, 4, 20, 64),
+    (2, 2, 257, 8, 64, None),
+    (1, 1, 64, 4, 1, 16),
+    (1, 2, 129, 8, 128, 32),
+    (1, 1, 33, 8, 32, 33),
+]
+
+
+@pytest.mark.parametrize("B,H,L,D,w,block", BAND_CASES)
+def test_band_matches_reference_fp32(B, H, L, D, w, block):
+    q, k, v = _qkv(B, H, L, D)
+    got = _fwd_bwd(lambda q, k, v: band_attention(q, k, v, w, block=block), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=w), q, k, v)
+    _assert_close(got, want, atol=1e-5)
+
+
+def test_band_scale_and_small_groups(monkeypatch):
+    # A tiny group budget forces one block per group: the overlap-add across groups must still be exact.
+    monkeypatch.setattr(A, "BAND_GROUP_BYTES", 1)
+    q, k, v = _qkv(2, 2, 75, 8)
+    got = _fwd_bwd(lambda q, k, v: band_attention(q, k, v, 19, scale=0.3, block=8), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=19, scale=0.3), q, k, v)
+    _assert_close(got, want, atol=1e-5)
+
+
+def test_band_value_head_dim_may_differ():
+    q, k, _ = _qkv(1, 2, 50, 8)
+    v = torch.randn(1, 2, 50, 12, requires_grad=True)
+    got = _fwd_bwd(lambda q, k, v: band_attention(q, k, v, 7, block=8), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=7), q, k, v)
+    _assert_close(got, want, atol=1e-5)
+
+
+def test_band_gradcheck_float64():
+    q, k, v = _qkv(1, 2, 13, 4, dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda q, k, v: band_attention(q, k, v, 4, block=3), (q, k, v))
+
+
+def test_band_bf16_close_to_fp32_reference():
+    q, k, v = _qkv(2, 2, 90, 16, dtype=torch.bfloat16)
+    got = _fwd_bwd(lambda q, k, v: band_attention(q, k, v, 24, block=16), q, k, v)
+    assert got[0].dtype == torch.bfloat16 and all(g.dtype == torch.bfloat16 for g in got[1])
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=24), q32, k32, v32)
+    _assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+def test_band_ignores_autocast_and_keeps_input_dtype():
+    q, k, v = _qkv(1, 2, 40, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = band_attention(q, k, v, 9, block=8)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, attention_ref(q, k, v, window=9), atol=1e-5, rtol=0)
+
+
+def test_band_runs_under_fake_tensors():
+    # memfit.memory estimates full-size training steps with fake tensors: the band path must trace.
+    with fake_mode():
+        q, k, v = (torch.randn(2, 4, 1024, 64, requires_grad=True) for _ in range(3))
+        out = band_attention(q, k, v, 256)
+        out.sum().backward()
+        assert out.shape == (2, 4, 1024, 64) and q.grad.shape == q.shape
+
+
+def _fit_exponent(xs, ys):
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def _peak_fwd_bwd(fn, L, w):
+    q, k, v = _qkv(1, 2, L, 16)
+    g = torch.randn(1, 2, L, 16)
+    # q, k, v and the incoming gradient count for every path alike, as they would inside a model.
+    with measure_peak(existing=[q, k, v, g]) as m:
+        fn(q, k, v, w).backward(g)
+    return m.peak_bytes
+
+
+def test_band_memory_linear_in_length_reference_quadratic():
+    Ls, w = [512, 1024, 2048], 32
+    band = [_peak_fwd_bwd(lambda q, k, v, w: band_attention(q, k, v, w), L, w) for L in Ls]
+    ref = [_peak_fwd_bwd(lambda q, k, v, w: attention_ref(q, k, v, window=w), L, w) for L in Ls]
+    e_band, e_ref = _fit_exponent(Ls, band), _fit_exponent(Ls, ref)
+    assert e_band <= 1.2, f"band path memory exponent {e_band:.2f} (peaks {band})"
+    assert e_ref >= 1.7, f"reference memory exponent {e_ref:.2f} (peaks {ref})"
+    assert band[-1] * 4 < ref[-1]
+
+
+def test_band_memory_not_above_dense_causal_sdpa():
+    # SDPA's CPU flash kernel keeps O(L) memory; the band path must not cost more for it to be worth it.
+    L, w = 4096, 256
+
+    def peak(fn):
+        q, k, v = _qkv(1, 4, L, 64)
+        g = torch.randn(1, 4, L, 64)
+        with measure_peak(existing=[q, k, v, g]) as m:
+            fn(q, k, v).backward(g)
+        return m.peak_bytes
+
+    band = peak(lambda q, k, v: attention(q, k, v, window=w))
+    dense = peak(lambda q, k, v: attention(q, k, v, causal=True))
+    assert band <= dense, f"band path peak {band / 2**20:.1f} MiB > dense causal SDPA {dense / 2**20:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------------------------------
+# dispatch, SDPA, ref and flex (CPU forward) paths
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("scale", [None, 0.2])
+def test_sdpa_full_attention_matches_reference(causal, scale):
+    q, k, v = _qkv(2, 3, 45, 16)
+    got = _fwd_bwd(lambda q, k, v: attention(q, k, v, causal=causal, scale=scale), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, causal=causal, scale=scale), q, k, v)
+    _assert_close(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cross_attention_matches_reference(causal):
+    q, k, v = _qkv(2, 2, 7, 16, Lk=31)
+    got = _fwd_bwd(lambda q, k, v: attention(q, k, v, causal=causal), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, causal=causal), q, k, v)
+    _assert_close(got, want, atol=1e-5)
+
+
+def test_window_covering_sequence_uses_sdpa_and_matches():
+    q, k, v = _qkv(1, 2, 21, 8)
+    assert A.select_backend(q, k, v, window=21) == "sdpa"
+    got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=32), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=32), q, k, v)
+    _assert_close(got, want, atol=1e-5)
+
+
+def test_auto_dispatch_on_cpu_window_takes_band_path(monkeypatch):
+    q, k, v = _qkv(1, 2, 99, 8)
+    assert A.select_backend(q, k, v, window=10) == "band"
+    assert A.select_backend(q, k, v) == "sdpa"
+    calls = []
+    real = A.band_attention
+    monkeypatch.setattr(A, "band_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=10), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=10), q, k, v)
+    assert calls, "auto dispatch did not take the band path"
+    _assert_close(got, want, atol=1e-5)
+
+
+def test_force_backend_context_and_keyword():
+    q, k, v = _qkv(1, 2, 30, 8)
+    want = attention_ref(q, k, v, window=6)
+    with force_backend("ref"):
+        torch.testing.assert_close(attention(q, k, v, window=6), want, atol=0, rtol=0)
+    torch.testing.assert_close(attention(q, k, v, window=6, backend="band"), want, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="sdpa path covers windows only"):
+        attention(q, k, v, window=6, backend="sdpa")
+    with pytest.raises(ValueError, match="unknown attention backend"), force_backend("nope"):
+        pass
+
+
+def test_flex_forward_on_cpu_matches_reference():
+    # No FlexAttention backward on CPU; its forward (eager) still checks the cached block mask.
+    A.clear_block_mask_cache()
+    q, k, v = (t.detach() for t in _qkv(2, 3, 150, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = attention(q, k, v, window=40, backend="flex")
+    torch.testing.assert_close(out, attention_ref(q, k, v, window=40), atol=1e-5, rtol=0)
+    assert A.block_mask_cache_info()["keys"] == [(150, 40, "cpu")]
+
+
+def test_block_mask_cache_is_bounded_lru_and_reports_bytes():
+    A.clear_block_mask_cache()
+    A.set_block_mask_cache_size(4)
+    try:
+        seen_bytes = []
+        for i, L in enumerate(range(130, 130 + 20 * 37, 37)):
+            mask = A.window_block_mask(L, 64, "cpu")
+            assert mask.shape[:2] == (1, 1), "mask must broadcast over batch and heads (B=None, H=None)"
+            assert A.window_block_mask(L, 64, "cpu") is mask, "a key must be built once"
+            info = A.block_mask_cache_info()
+            assert info["entries"] == min(i + 1, 4) <= info["max_entries"] == 4
+            assert info["bytes"] > 0
+            seen_bytes.append(info["bytes"])
+        # The longest lengths are the ones kept, and their bytes match the masks' own tensors.
+        kept = A.block_mask_cache_info()["keys"]
+        assert [key[0] for key in kept] == [130 + 37 * i for i in range(16, 20)]
+        direct = create_block_mask(A._window_mask_mod(64), None, None, kept[-1][0], kept[-1][0], device="cpu")
+        assert A._block_mask_nbytes(direct) > 0
+        # LRU: touching the oldest entry saves it from the next eviction.
+        A.window_block_mask(kept[0][0], 64, "cpu")
+        A.window_block_mask(50, 64, "cpu")
+        lengths = [key[0] for key in A.block_mask_cache_info()["keys"]]
+        assert kept[0][0] in lengths and kept[1][0] not in lengths
+        A.set_block_mask_cache_size(2)
+        assert A.block_mask_cache_info()["entries"] == 2
+        with pytest.raises(ValueError, match="cache size"):
+            A.set_block_mask_cache_size(0)
+    finally:
+        A.set_block_mask_cache_size(8)
+        A.clear_block_mask_cache()
+
+
+# ----------------------------------------------------------------------------------------------------
+# argument checks
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,shapes,match",
+    [
+        ({"window": 0}, None, "window must be a positive int"),
+        ({"window": -3}, None, "window must be a positive int"),
+        ({"window": 2.5}, None, "window must be a positive int"),
+        ({"window": True}, None, "window must be a positive int"),
+        ({}, [(1, 2, 8, 16), (1, 2, 8, 8), (1, 2, 8, 8)], "head dims differ"),
+        ({"window": 4}, [(1, 2, 8, 16), (1, 2, 12, 16), (1, 2, 12, 16)], "Lq == Lk"),
+        ({}, [(1, 2, 8, 16), (1, 2, 12, 16), (1, 2, 11, 16)], "lengths differ"),
+        ({}, [(2, 8, 16), (2, 8, 16), (2, 8, 16)], "must be 4-D"),
+        ({}, [(1, 2, 8, 16), (1, 3, 8, 16), (1, 3, 8, 16)], "batch/heads must match"),
+        ({"causal": True}, [(1, 2, 9, 16), (1, 2, 4, 16), (1, 2, 4, 16)], "no keys"),
+        ({"scale": "big"}, None, "scale must be"),
+        ({"backend": "fast"}, None, "unknown attention backend"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs, shapes, match):
+    shapes = shapes or [(1, 2, 8, 16)] * 3
+    q, k, v = (torch.randn(s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        attention(q, k, v, **kwargs)
+
+
+def test_mixed_dtypes_rejected():
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    with pytest.raises(ValueError, match="dtypes differ"):
+        attention(q, k.double(), v)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA paths
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("L,w", [(257, 64), (1024, 128), (100, 200)])
+def test_flex_on_cuda_matches_reference(L, w):
+    q, k, v = _qkv(2, 4, L, 64, device="cuda")
+    got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=w, backend="flex" if w < L else None), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=w), q, k, v)
+    _assert_close(got, want, atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_band_on_cuda_matches_reference():
+    q, k, v = _qkv(2, 4, 300, 32, device="cuda")
+    got = _fwd_bwd(lambda q, k, v: band_attention(q, k, v, 50), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=50), q, k, v)
+    _assert_close(got, want, atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.skipif(not A.flash_available(), reason="flash-attn not installed")
+def test_flash_on_cuda_matches_reference():
+    q, k, v = _qkv(2, 4, 513, 64, dtype=torch.bfloat16, device="cuda")
+    assert A.select_backend(q, k, v, window=128) == "flash"
+    got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=128), q, k, v)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=128), q32, k32, v32)
+    _assert_close(got, want, atol=3e-2, rtol=3e-2)
