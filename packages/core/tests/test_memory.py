@@ -177,3 +177,12 @@ def test_estimate_agrees_with_pytorch_memtracker(name):
         theirs = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
     ours = estimate_training_step(step).peak_bytes
     assert abs(ours - theirs) <= 0.05 * theirs, (ours, theirs)
+
+
+def test_measure_peak_does_not_count_views_of_older_tensors():
+    x = torch.empty(1024, 1024)  # made before the context: not counted
+    with measure_peak() as m:
+        v = x[:512].transpose(0, 1)  # a view: no new memory
+        y = v.contiguous()  # 2 MiB copy: counted
+        del v, y
+    assert m.peak_bytes == 2 * 2**20

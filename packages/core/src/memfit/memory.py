@@ -149,9 +149,20 @@ class _StorageTracker(TorchDispatchMode):
         self.by_category[entry[1]] -= entry[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not outs:
+            return out
+        # A view (or in-place result) shares an input's storage: nothing new was allocated, even when that
+        # input was made before the tracker started and so is not counted.
+        shared = set()
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and (st := self._storage(t)) is not None:
+                shared.add(id(st))
+        for t in outs:
+            st = self._storage(t)
+            if st is not None and id(st) not in shared:
                 self.track(t)
         return out
 
