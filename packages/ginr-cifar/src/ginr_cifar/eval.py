@@ -21,7 +21,7 @@ from ginr_cifar.train import mean_colour_psnr, psnr_per_image, reconstruct
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ginr-eval", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--run", default="runs/ginr-cifar/run", help="run folder (newest checkpoint) or a .pt file"
     )

@@ -35,7 +35,7 @@ SYSTEM_NAME = "ginr-cifar"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ginr-train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--data", default=None, help="CIFAR-10 batches folder or ImageFolder tree (default: embedded)"
     )

@@ -110,7 +110,7 @@ def evaluate(
 def main(argv: list[str] | None = None) -> dict:
     """Evaluate a trained run; prints and returns {psnr, psnr_constant, ssim, ...}."""
     p = argparse.ArgumentParser(
-        prog="mouse-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--run", default="runs/moremouse-triplane/run", help="run folder or checkpoint file")
     p.add_argument(

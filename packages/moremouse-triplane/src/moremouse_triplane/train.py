@@ -33,7 +33,7 @@ SYSTEM_NAME = "moremouse-triplane"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="mouse-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model size (default %(default)s)")
     p.add_argument(
