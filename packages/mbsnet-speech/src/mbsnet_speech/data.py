@@ -1,0 +1,310 @@
+"""Noisy/clean speech pairs: VoiceBank+DEMAND-style wav folders, or an embedded generator (offline default).
+
+Folder layout (``--data ROOT``)::
+
+    ROOT/clean_<split>/<name>.wav    ROOT/noisy_<split>/<name>.wav    (same names in both)
+
+e.g. VoiceBank+DEMAND's clean_trainset_28spk_wav / noisy_trainset_28spk_wav. Files at another sample
+rate (VoiceBank ships 48 kHz) are resampled to 16 kHz and stereo is averaged to mono, with a note.
+
+The generator makes speech-like signals without shipping any recording: syllables of a glottal-pulse
+harmonic series with a moving f0, shaped by vowel formants, unvoiced fricative bursts and pauses, then
+mixed with white, pink or babble (several other generated voices) noise at a chosen SNR. Every batch is
+a function of (seed, step, micro, stream), so training resumes exactly and held-out pairs (another
+stream) are never seen in training.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import torch
+
+SAMPLE_RATE = 16_000
+MIN_SAMPLES = 400  # one STFT window at 16 kHz; shorter clips carry no frame
+TRAIN_STREAM, HELDOUT_STREAM = 0, 1
+
+# ----------------------------------------------------------------------------------------------------
+# Reading wav files
+# ----------------------------------------------------------------------------------------------------
+
+
+def _note(msg: str) -> None:
+    print(f"[mbsnet] {msg}", file=sys.stderr)
+
+
+def read_wav(path: str | Path, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """Any wav/flac -> float32 mono (n,) at sample_rate; ValueError on unreadable or empty files."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"audio file {path} does not exist")
+    try:
+        audio, sr = sf.read(str(path), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError) as e:
+        raise ValueError(f"cannot read {path} as audio ({e}); is it a valid wav file?") from e
+    if audio.shape[0] == 0:
+        raise ValueError(f"{path} contains no samples")
+    audio = audio.mean(axis=1)  # stereo (or more channels): average to mono
+    if sr != sample_rate:
+        import torchaudio.functional as AF
+
+        audio = AF.resample(torch.from_numpy(audio), sr, sample_rate).numpy()
+    if not np.all(np.isfinite(audio)):
+        raise ValueError(f"{path} contains NaN or Inf samples")
+    return np.ascontiguousarray(audio, dtype=np.float32)
+
+
+def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
+    """float (n,) in [-1, 1] -> 16-bit PCM wav (clipped)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    sf.write(
+        str(path), np.clip(np.asarray(audio, dtype=np.float32), -1.0, 1.0), sample_rate, subtype="PCM_16"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# VoiceBank+DEMAND-style folders
+# ----------------------------------------------------------------------------------------------------
+
+AUDIO_EXTS = (".wav", ".flac")
+
+
+@dataclass
+class PairFolder:
+    """Matched clean/noisy files under ROOT/clean_*/ and ROOT/noisy_*/ (checked on construction)."""
+
+    root: Path
+    clean: list[Path]
+    noisy: list[Path]
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.clean]
+
+    def __len__(self) -> int:
+        return len(self.clean)
+
+    def load(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(clean, noisy) float32 (n,) at 16 kHz, trimmed to a common length."""
+        c, n = _load_cached(str(self.clean[i])), _load_cached(str(self.noisy[i]))
+        m = min(len(c), len(n))
+        return c[:m], n[:m]
+
+
+@functools.lru_cache(maxsize=512)
+def _load_cached(path: str) -> np.ndarray:
+    return read_wav(path)
+
+
+def _audio_files(d: Path) -> dict[str, Path]:
+    return {p.name: p for p in sorted(d.iterdir()) if p.suffix.lower() in AUDIO_EXTS and p.is_file()}
+
+
+def find_pairs(root: str | Path, split: str | None = None) -> PairFolder:
+    """Scan ROOT for clean_*/noisy_* folders (optionally only those whose suffix contains `split`)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--data {root} is not a folder; expected clean_*/ and noisy_*/ inside")
+    cleans = sorted(d for d in root.iterdir() if d.is_dir() and d.name.startswith("clean"))
+    if split:
+        cleans = [d for d in cleans if split in d.name]
+    pairs_dirs = []
+    for cd in cleans:
+        nd = root / ("noisy" + cd.name[len("clean") :])
+        if nd.is_dir():
+            pairs_dirs.append((cd, nd))
+    if not pairs_dirs:
+        have = ", ".join(sorted(d.name for d in root.iterdir() if d.is_dir())) or "nothing"
+        want = f" containing {split!r}" if split else ""
+        raise FileNotFoundError(
+            f"no clean_*/noisy_* folder pair{want} in {root} (found: {have}); VoiceBank+DEMAND layout is "
+            "ROOT/clean_trainset_wav/x.wav with ROOT/noisy_trainset_wav/x.wav"
+        )
+    clean, noisy = [], []
+    for cd, nd in pairs_dirs:
+        cf, nf = _audio_files(cd), _audio_files(nd)
+        only_c, only_n = sorted(set(cf) - set(nf)), sorted(set(nf) - set(cf))
+        if only_c or only_n:
+            raise ValueError(
+                f"clean and noisy file names differ in {cd.name}/ vs {nd.name}/: "
+                f"only clean: {only_c[:5]}{'...' if len(only_c) > 5 else ''}, "
+                f"only noisy: {only_n[:5]}{'...' if len(only_n) > 5 else ''}; every clean file needs a "
+                "noisy file of the same name"
+            )
+        for name in sorted(cf):
+            clean.append(cf[name])
+            noisy.append(nf[name])
+    if not clean:
+        raise FileNotFoundError(f"no .wav files in {[str(c) for c, _ in pairs_dirs]}")
+    notes = set()
+    for path in clean + noisy:
+        try:
+            info = sf.info(str(path))
+        except (sf.LibsndfileError, RuntimeError) as e:
+            raise ValueError(f"cannot read {path} as audio ({e}); remove or replace the corrupt file") from e
+        n16 = int(info.frames * SAMPLE_RATE / info.samplerate)
+        if n16 < MIN_SAMPLES:
+            raise ValueError(
+                f"{path} is {info.frames} samples at {info.samplerate} Hz "
+                f"({info.frames / info.samplerate:.3f} s), shorter than one STFT frame "
+                f"({MIN_SAMPLES} samples at 16 kHz); remove it"
+            )
+        if info.samplerate != SAMPLE_RATE:
+            notes.add(f"{info.samplerate} Hz files are resampled to 16 kHz")
+        if info.channels > 1:
+            notes.add(f"{info.channels}-channel files are averaged to mono")
+    for n in sorted(notes):
+        _note(n)
+    return PairFolder(root, clean, noisy)
+
+
+def folder_batch(
+    pairs: PairFolder, batch: int, crop: int, rng: np.random.Generator
+) -> tuple[np.ndarray, ...]:
+    """Random crops of `crop` samples (shorter clips zero-padded) -> (noisy, clean) float32 (batch, crop)."""
+    noisy = np.zeros((batch, crop), np.float32)
+    clean = np.zeros((batch, crop), np.float32)
+    for b in range(batch):
+        c, n = pairs.load(int(rng.integers(len(pairs))))
+        if len(c) > crop:
+            s = int(rng.integers(len(c) - crop + 1))
+            c, n = c[s : s + crop], n[s : s + crop]
+        clean[b, : len(c)], noisy[b, : len(n)] = c, n
+    return noisy, clean
+
+
+# ----------------------------------------------------------------------------------------------------
+# Embedded generator of speech-like pairs
+# ----------------------------------------------------------------------------------------------------
+
+# (F1, F2, F3) in Hz of a few vowels (Peterson & Barney averages, rounded)
+VOWELS = np.array(
+    [
+        [730, 1090, 2440],
+        [270, 2290, 3010],
+        [530, 1840, 2480],
+        [570, 840, 2410],
+        [300, 870, 2240],
+        [660, 1720, 2410],
+    ],
+    dtype=np.float32,
+)
+NOISE_KINDS = ("white", "pink", "babble")
+
+
+def _raised_cos_env(n: int, edge: int) -> np.ndarray:
+    env = np.ones(n, np.float32)
+    e = min(edge, n // 2)
+    if e > 0:
+        ramp = 0.5 - 0.5 * np.cos(np.linspace(0, np.pi, e, dtype=np.float32))
+        env[:e], env[n - e :] = ramp, ramp[::-1]
+    return env
+
+
+def _shaped_noise(n: int, rng: np.random.Generator, lo: float, hi: float, sr: int) -> np.ndarray:
+    spec = np.fft.rfft(rng.standard_normal(n).astype(np.float32))
+    f = np.fft.rfftfreq(n, 1 / sr)
+    spec *= ((f >= lo) & (f <= hi)).astype(np.float32)
+    x = np.fft.irfft(spec, n).astype(np.float32)
+    return x / (np.std(x) + 1e-8)
+
+
+def synth_speech(n: int, rng: np.random.Generator, sr: int = SAMPLE_RATE) -> np.ndarray:
+    """A speech-like utterance of n samples: voiced syllables, fricatives and pauses; float32 (n,)."""
+    out = np.zeros(n, np.float32)
+    f0_base = rng.uniform(90, 240)
+    t = int(rng.integers(0, int(0.15 * sr)))  # leading silence
+    while t < n:
+        if rng.random() < 0.35:  # unvoiced onset (fricative): band-limited noise burst
+            m = int(rng.uniform(0.03, 0.09) * sr)
+            lo = rng.uniform(2000, 4000)
+            burst = _shaped_noise(m, rng, lo, min(lo + rng.uniform(1500, 3500), sr / 2 - 100), sr)
+            seg = 0.15 * burst * _raised_cos_env(m, int(0.01 * sr))
+            e = min(n, t + m)
+            out[t:e] += seg[: e - t]
+            t = e
+        m = int(rng.uniform(0.12, 0.35) * sr)  # voiced nucleus
+        e = min(n, t + m)
+        m = e - t
+        if m > 0:
+            tt = np.arange(m, dtype=np.float32) / sr
+            f0 = f0_base * (1 + 0.12 * np.sin(2 * np.pi * rng.uniform(1, 4) * tt + rng.uniform(0, 6.3)))
+            f0 = f0 * np.linspace(1.05, 0.95, m, dtype=np.float32)  # declination
+            phase = 2 * np.pi * np.cumsum(f0) / sr
+            formants = VOWELS[rng.integers(len(VOWELS))] * rng.uniform(0.9, 1.15)
+            bw = np.array([80, 120, 180], np.float32) * rng.uniform(0.8, 1.3)
+            K = int(7600 // f0.max())
+            k = np.arange(1, K + 1, dtype=np.float32)[:, None]
+            fk = k * f0[None, :]  # (K, m) harmonic frequencies
+            env = sum(1.0 / (1.0 + ((fk - F) / B) ** 2) for F, B in zip(formants, bw))
+            amp = env / k  # glottal source tilt
+            voiced = (amp * np.sin(k * phase[None, :])).sum(0)
+            voiced /= np.max(np.abs(voiced)) + 1e-8
+            out[t:e] += 0.6 * rng.uniform(0.5, 1.0) * voiced * _raised_cos_env(m, int(0.025 * sr))
+        t = e + int((rng.uniform(0.03, 0.15) if rng.random() < 0.75 else rng.uniform(0.25, 0.5)) * sr)
+    return out
+
+
+def make_noise(kind: str, n: int, rng: np.random.Generator, sr: int = SAMPLE_RATE) -> np.ndarray:
+    """Unit-power noise of a kind in NOISE_KINDS; float32 (n,)."""
+    if kind == "white":
+        x = rng.standard_normal(n).astype(np.float32)
+    elif kind == "pink":
+        spec = np.fft.rfft(rng.standard_normal(n))
+        f = np.fft.rfftfreq(n, 1 / sr)
+        spec /= np.sqrt(np.maximum(f, 20.0))
+        x = np.fft.irfft(spec, n).astype(np.float32)
+    elif kind == "babble":
+        x = sum(synth_speech(n, rng, sr) for _ in range(int(rng.integers(4, 7))))
+    else:
+        raise ValueError(f"unknown noise kind {kind!r}; choose from {', '.join(NOISE_KINDS)}")
+    return x / (np.sqrt(np.mean(x**2)) + 1e-8)
+
+
+def mix(clean: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
+    """clean + noise scaled to snr_db (powers over the whole clip)."""
+    p_s = np.mean(clean**2) + 1e-10
+    p_n = np.mean(noise**2) + 1e-10
+    return clean + noise * np.sqrt(p_s / (p_n * 10 ** (snr_db / 10)))
+
+
+def synth_pair(
+    n: int,
+    rng: np.random.Generator,
+    snr_range: tuple[float, float] = (0.0, 20.0),
+    noise_kinds: tuple[str, ...] = NOISE_KINDS,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One (noisy, clean) pair of n samples, both scaled together to a random level."""
+    clean = synth_speech(n, rng)
+    noisy = mix(
+        clean, make_noise(noise_kinds[int(rng.integers(len(noise_kinds)))], n, rng), rng.uniform(*snr_range)
+    )
+    gain = rng.uniform(0.3, 0.9) / (np.max(np.abs(noisy)) + 1e-8)
+    return (noisy * gain).astype(np.float32), (clean * gain).astype(np.float32)
+
+
+def pair_rng(seed: int, step: int, micro: int = 0, stream: int = TRAIN_STREAM) -> np.random.Generator:
+    """The generator for batch (seed, step, micro) of a stream: training and held-out never overlap."""
+    return np.random.default_rng([stream, seed, step, micro])
+
+
+def synth_batch(batch: int, n: int, rng: np.random.Generator, **kw) -> tuple[np.ndarray, np.ndarray]:
+    """(noisy, clean) float32 (batch, n)."""
+    pairs = [synth_pair(n, rng, **kw) for _ in range(batch)]
+    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+
+def heldout_pairs(
+    count: int, seconds: float = 3.0, seed: int = 1234, **kw
+) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Generated evaluation pairs, disjoint from every training batch: [(name, noisy, clean)]."""
+    out = []
+    for i in range(count):
+        noisy, clean = synth_pair(int(seconds * SAMPLE_RATE), pair_rng(seed, i, 0, HELDOUT_STREAM), **kw)
+        out.append((f"heldout_{i:03d}.wav", noisy, clean))
+    return out

@@ -1,0 +1,319 @@
+"""MBS-Net: band-split Mamba speech enhancement with a magnitude mask and an explicit phase estimate.
+
+wav (B, T) -> STFT (16 kHz, n_fft 512, hop 100, win 400) -> compressed magnitude |X|^0.3 and phase
+-> band split into K sub-bands (per-band LayerNorm + Linear to C channels) -> N encoder layers, each a
+temporal Mamba over frames (per band) and a cross-band Mamba over bands (per frame), pre-norm residual
+-> magnitude mask head (per-band Linear + sigmoid) and phase head (per-band Linear to two outputs,
+offset = atan2) -> iSTFT.
+
+Everything before the heads acts frame by frame except the temporal Mamba, so with a unidirectional
+temporal Mamba the mask and phase of frame t depend on frames <= t only (streamable).
+
+Two scans: "chunked" uses memfit.mamba (memfit.ssm.selective_scan: chunked, recomputed in backward);
+"materialise" reproduces the seed's real_mamba scan that builds (B, L, D, N) tensors and loops over L,
+kept as the memory baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mbsnet_speech.config import MBSNetConfig, band_widths
+
+# ----------------------------------------------------------------------------------------------------
+# The seed's Mamba (baseline): same parameters as mamba_ssm's block, materialising selective scan
+# ----------------------------------------------------------------------------------------------------
+
+
+def materialising_scan(u, delta, A, B, C, D):
+    """The seed's real_mamba scan. u, delta (b, L, d); A (d, n); B, C (b, L, n); D (d) -> y (b, L, d).
+
+    Builds exp(delta*A) and delta*B*u for the whole sequence, (b, L, d, n) each, then loops over L;
+    autograd keeps every step's state too. This is what ran out of memory at batch 2.
+    """
+    dA = torch.exp(delta.unsqueeze(-1) * A)  # (b, L, d, n)
+    dBu = delta.unsqueeze(-1) * B.unsqueeze(2) * u.unsqueeze(-1)  # (b, L, d, n)
+    h = torch.zeros_like(dA[:, 0])
+    ys = []
+    for t in range(u.shape[1]):
+        h = dA[:, t] * h + dBu[:, t]
+        ys.append((h * C[:, t].unsqueeze(1)).sum(-1))
+    return torch.stack(ys, dim=1) + u * D
+
+
+class SeedMamba(nn.Module):
+    """Mamba-1 block with the materialising scan; (b, L, d_model) -> (b, L, d_model)."""
+
+    def __init__(self, d_model: int, d_state: int = 16, d_conv: int = 4, expand: float = 2.0) -> None:
+        super().__init__()
+        self.d_inner = d_inner = int(expand * d_model)
+        self.dt_rank = math.ceil(d_model / 16)
+        self.d_state = d_state
+        self.in_proj = nn.Linear(d_model, 2 * d_inner, bias=False)
+        self.conv1d = nn.Conv1d(d_inner, d_inner, d_conv, groups=d_inner, padding=d_conv - 1)
+        self.x_proj = nn.Linear(d_inner, self.dt_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, d_inner)
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, d_state + 1).float()).repeat(d_inner, 1))
+        self.D = nn.Parameter(torch.ones(d_inner))
+        self.out_proj = nn.Linear(d_inner, d_model, bias=False)
+        with torch.no_grad():  # dt in [1e-3, 1e-1] at init, as mamba_ssm
+            dt = torch.exp(torch.rand(d_inner) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            self.dt_proj.bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        L = x.shape[1]
+        u, z = self.in_proj(x).chunk(2, dim=-1)
+        u = F.silu(self.conv1d(u.transpose(1, 2))[..., :L].transpose(1, 2))
+        dt, B, C = self.x_proj(u).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        dt = F.softplus(self.dt_proj(dt))
+        y = materialising_scan(u, dt, -torch.exp(self.A_log), B, C, self.D)
+        return self.out_proj(y * F.silu(z))
+
+
+class SeedBiMamba(nn.Module):
+    """The seed's BidirectionalMambaBlock: a forward and a time-reversed SeedMamba, summed."""
+
+    def __init__(self, d_model: int, **kw) -> None:
+        super().__init__()
+        self.fwd = SeedMamba(d_model, **kw)
+        self.bwd = SeedMamba(d_model, **kw)
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.fwd(x) + self.bwd(x.flip(1)).flip(1)
+
+
+def make_mamba(cfg: MBSNetConfig, bidirectional: bool) -> nn.Module:
+    """A (bi)directional Mamba over (b, L, channels) with the config's scan."""
+    if cfg.scan == "materialise":
+        kw = dict(d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand)
+        return SeedBiMamba(cfg.channels, **kw) if bidirectional else SeedMamba(cfg.channels, **kw)
+    from memfit.mamba import BiMamba, Mamba
+
+    mcfg = _mamba_config(cfg)
+    return BiMamba(mcfg, combine="sum") if bidirectional else Mamba(mcfg)
+
+
+def _mamba_config(cfg: MBSNetConfig):
+    """memfit.mamba.MambaConfig for the config; a fractional expand (1.5) gives d_inner = int(expand * C)
+    as in mamba_ssm, while memfit's MambaConfig takes integer expands only, so we override d_inner."""
+    from dataclasses import dataclass
+
+    from memfit.mamba import MambaConfig
+
+    kw = dict(d_model=cfg.channels, d_state=cfg.d_state, d_conv=cfg.d_conv)
+    if float(cfg.expand).is_integer():
+        return MambaConfig(expand=int(cfg.expand), **kw)
+
+    @dataclass
+    class FractionalMambaConfig(MambaConfig):
+        inner: int = 0
+
+        @property
+        def d_inner(self) -> int:
+            return self.inner
+
+    return FractionalMambaConfig(expand=1, inner=int(cfg.expand * cfg.channels), **kw)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Band split, encoder, heads
+# ----------------------------------------------------------------------------------------------------
+
+
+class BandSplit(nn.Module):
+    """(B, F, T, 2) compressed complex spectrum -> (B, K, T, C): per band, LayerNorm over its bins
+    (per frame, so it stays causal) and a Linear to C channels."""
+
+    def __init__(self, widths: list[int], channels: int) -> None:
+        super().__init__()
+        self.widths = widths
+        self.norms = nn.ModuleList(nn.LayerNorm(2 * w) for w in widths)
+        self.projs = nn.ModuleList(nn.Linear(2 * w, channels) for w in widths)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = x.shape
+        out = []
+        for band, norm, proj in zip(x.split(self.widths, dim=1), self.norms, self.projs):
+            band = band.permute(0, 2, 1, 3).reshape(B, T, -1)  # (B, T, 2w)
+            out.append(proj(norm(band)))
+        return torch.stack(out, dim=1)
+
+
+class EncoderLayer(nn.Module):
+    """Temporal Mamba over frames (per band), then cross-band Mamba over bands (per frame); (B, K, T, C)."""
+
+    def __init__(self, cfg: MBSNetConfig) -> None:
+        super().__init__()
+        self.norm_t = nn.LayerNorm(cfg.channels)
+        self.temporal = make_mamba(cfg, cfg.temporal_bidirectional)
+        self.norm_k = nn.LayerNorm(cfg.channels)
+        self.crossband = make_mamba(cfg, cfg.crossband_bidirectional)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, K, T, C = x.shape
+        h = x.reshape(B * K, T, C)
+        h = h + self.temporal(self.norm_t(h))
+        h = h.reshape(B, K, T, C).transpose(1, 2).reshape(B * T, K, C)
+        h = h + self.crossband(self.norm_k(h))
+        return h.reshape(B, T, K, C).transpose(1, 2)
+
+
+class Encoder(nn.Module):
+    """Band split + N encoder layers + final norm: (B, F, T, 2) -> (B, K, T, C)."""
+
+    def __init__(self, cfg: MBSNetConfig, widths: list[int]) -> None:
+        super().__init__()
+        self.checkpoint = cfg.checkpoint
+        self.split = BandSplit(widths, cfg.channels)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(cfg.channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.split(x)
+        for layer in self.layers:
+            if self.checkpoint and self.training and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+            else:
+                h = layer(h)
+        return self.norm(h)
+
+
+class BandHead(nn.Module):
+    """(B, K, T, C) -> (B, F, T, out): per band a Linear to width*out (or the seed's MLP)."""
+
+    def __init__(self, widths: list[int], channels: int, out: int, hidden: int = 0) -> None:
+        super().__init__()
+        self.widths, self.out = widths, out
+
+        def head(w: int) -> nn.Module:
+            if hidden:
+                return nn.Sequential(nn.Linear(channels, hidden), nn.Tanh(), nn.Linear(hidden, w * out))
+            return nn.Linear(channels, w * out)
+
+        self.heads = nn.ModuleList(head(w) for w in widths)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = h.shape
+        outs = []
+        for k, (w, head) in enumerate(zip(self.widths, self.heads)):
+            outs.append(head(h[:, k]).reshape(B, T, w, self.out))
+        return torch.cat(outs, dim=2).transpose(1, 2)  # (B, F, T, out)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------------
+
+
+class Enhanced(NamedTuple):
+    wav: torch.Tensor  # (B, T) enhanced waveform
+    mag: torch.Tensor  # (B, F, frames) compressed magnitude |S|^0.3
+    pha: torch.Tensor  # (B, F, frames) phase
+
+
+def pcs_gamma(n_bins: int, sample_rate: int) -> torch.Tensor:
+    """Per-bin exponent for perceptual contrast stretching: 1 outside speech, up to 1.2 in 0.3-3.4 kHz.
+
+    Our own smooth profile in the spirit of PCS (Chao et al.; SEMamba's PCS400), not their table.
+    """
+    f = torch.linspace(0, sample_rate / 2, n_bins)
+    rise = torch.clamp(f / 300.0, max=1.0)
+    fall = torch.clamp((7000.0 - f) / (7000.0 - 3400.0), min=0.0, max=1.0)
+    return 1.0 + 0.2 * rise * fall
+
+
+def overlap_add_istft(spec: torch.Tensor, c: MBSNetConfig, window: torch.Tensor, length: int) -> torch.Tensor:
+    """Inverse of torch.stft(center=True): complex (B, F, frames) -> (B, length).
+
+    Same result as torch.istft, written with irfft + fold because torch.istft checks the window
+    envelope with a data-dependent comparison that fake tensors (memory estimation) cannot answer.
+    """
+    frames = spec.shape[-1]
+    left = (c.n_fft - c.win) // 2  # torch.stft centres a short window inside n_fft
+    win = F.pad(window, (left, c.n_fft - c.win - left))
+    x = torch.fft.irfft(spec, n=c.n_fft, dim=1) * win[:, None]  # (B, n_fft, frames)
+    total = (frames - 1) * c.hop + c.n_fft
+    fold = dict(output_size=(1, total), kernel_size=(1, c.n_fft), stride=(1, c.hop))
+    y = F.fold(x, **fold).reshape(x.shape[0], total)
+    env = F.fold((win**2)[None, :, None].expand(1, c.n_fft, frames), **fold).reshape(total)
+    start = c.n_fft // 2
+    y = y[:, start : start + length] / env[start : start + length].clamp_min(1e-11)
+    return F.pad(y, (0, length - y.shape[1]))
+
+
+class MBSNet(nn.Module):
+    def __init__(self, cfg: MBSNetConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.widths = band_widths(cfg.n_bins, cfg.num_bands)
+        self.encoder = Encoder(cfg, self.widths)
+        self.phase_encoder = Encoder(cfg, self.widths) if cfg.dual_branch else None
+        self.mask_head = BandHead(self.widths, cfg.channels, 1, cfg.head_hidden)
+        self.phase_head = BandHead(self.widths, cfg.channels, 2, cfg.head_hidden)
+        self.register_buffer("window", torch.hann_window(cfg.win), persistent=False)
+        self.register_buffer("gamma", pcs_gamma(cfg.n_bins, cfg.sample_rate), persistent=False)
+        self._init_phase_head()
+
+    def _init_phase_head(self) -> None:
+        # Start at "keep the noisy phase": outputs (a, b) ~ (1, 0), so atan2(b, a) ~ 0 away from its
+        # singularity at (0, 0).
+        with torch.no_grad():
+            for head in self.phase_head.heads:
+                last = head[-1] if isinstance(head, nn.Sequential) else head
+                last.weight.mul_(0.1)
+                last.bias.view(-1, 2).copy_(torch.tensor([1.0, 0.0]))
+
+    # -- STFT -------------------------------------------------------------------------------------
+    def stft(self, wav: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """wav (B, T) -> compressed magnitude, phase (B, F, frames); frames = T // hop + 1."""
+        c = self.cfg
+        spec = torch.stft(wav.float(), c.n_fft, c.hop, c.win, self.window, center=True, return_complex=True)
+        return spec.abs().pow(c.compress), torch.angle(spec)
+
+    def istft(self, mag: torch.Tensor, pha: torch.Tensor, length: int) -> torch.Tensor:
+        """compressed magnitude, phase (B, F, frames) -> wav (B, length)."""
+        c = self.cfg
+        mag = mag.clamp_min(1e-8).pow(1.0 / c.compress)
+        return overlap_add_istft(
+            torch.complex(mag * torch.cos(pha), mag * torch.sin(pha)), c, self.window, length
+        )
+
+    # -- frame level ------------------------------------------------------------------------------
+    def spec_forward(self, mag: torch.Tensor, pha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compressed magnitude, phase (B, F, frames) -> mask in (0, 1), phase offset (B, F, frames)."""
+        x = torch.stack((mag * torch.cos(pha), mag * torch.sin(pha)), dim=-1)  # (B, F, T, 2)
+        h = self.encoder(x)
+        hp = self.phase_encoder(x) if self.phase_encoder is not None else h
+        mask = torch.sigmoid(self.mask_head(h)[..., 0].float())
+        ab = self.phase_head(hp).float()
+        return mask, torch.atan2(ab[..., 1], ab[..., 0])
+
+    def forward(self, wav: torch.Tensor) -> Enhanced:
+        """Noisy wav (B, T) -> Enhanced(wav (B, T), compressed magnitude, phase)."""
+        if wav.dim() != 2:
+            raise ValueError(f"MBSNet expects a batch of mono waveforms (B, T), got shape {tuple(wav.shape)}")
+        if wav.shape[1] < self.cfg.win:
+            raise ValueError(
+                f"input has {wav.shape[1]} samples, shorter than one STFT window ({self.cfg.win})"
+            )
+        mag, pha = self.stft(wav)
+        mask, dpha = self.spec_forward(mag, pha)
+        mag_hat, pha_hat = mask * mag, pha + dpha
+        if self.cfg.pcs and not self.training:
+            lin = mag_hat.pow(1.0 / self.cfg.compress)
+            lin = torch.expm1(self.gamma[:, None] * torch.log1p(lin))
+            mag_hat = lin.pow(self.cfg.compress)
+        return Enhanced(self.istft(mag_hat, pha_hat, wav.shape[1]), mag_hat, pha_hat)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_model(cfg: MBSNetConfig) -> MBSNet:
+    return MBSNet(cfg)

@@ -1,0 +1,163 @@
+"""Train MBS-Net: `uv run mbsnet-train [--config default|seed|tiny] [--data VOICEBANK_ROOT] [--steps N]`.
+
+Without --data it trains on the embedded generator of speech-like noisy/clean pairs (offline).
+Losses as MP-SENet: compressed magnitude MSE, compressed complex MSE, anti-wrapping phase losses
+(instantaneous phase, group delay, instantaneous frequency) and waveform L1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mbsnet_speech.config import PRESETS, get_config
+from mbsnet_speech.data import SAMPLE_RATE, find_pairs, folder_batch, pair_rng, synth_batch
+from mbsnet_speech.model import MBSNet, count_params
+
+SYSTEM_NAME = "mbsnet-speech"
+LOSS_WEIGHTS = {"mag": 0.9, "pha": 0.3, "com": 0.1, "time": 0.2}  # MP-SENet's generator weights
+
+
+def anti_wrapping(x: torch.Tensor) -> torch.Tensor:
+    """|x| folded into [0, pi]: a phase error of 2*pi*k counts as zero."""
+    return torch.abs(x - 2 * math.pi * torch.round(x / (2 * math.pi)))
+
+
+def phase_loss(pha_hat: torch.Tensor, pha: torch.Tensor) -> torch.Tensor:
+    """Anti-wrapping instantaneous phase + group delay (along F) + inst. frequency (along T); (B, F, T)."""
+    ip = anti_wrapping(pha_hat - pha).mean()
+    gd = anti_wrapping(torch.diff(pha_hat, dim=1) - torch.diff(pha, dim=1)).mean()
+    iaf = anti_wrapping(torch.diff(pha_hat, dim=2) - torch.diff(pha, dim=2)).mean()
+    return ip + gd + iaf
+
+
+def enhancement_loss(model: MBSNet, batch: tuple[torch.Tensor, torch.Tensor]):
+    """batch = (noisy, clean) (B, T) -> (loss, {part: value})."""
+    noisy, clean = batch
+    out = model(noisy)
+    raw = model.module if hasattr(model, "module") else model  # DDP wraps the model
+    with torch.no_grad():
+        mag, pha = raw.stft(clean)
+    l_mag = F.mse_loss(out.mag, mag)
+    l_com = 2 * F.mse_loss(
+        torch.stack((out.mag * torch.cos(out.pha), out.mag * torch.sin(out.pha))),
+        torch.stack((mag * torch.cos(pha), mag * torch.sin(pha))),
+    )
+    l_pha = phase_loss(out.pha, pha)
+    l_time = F.l1_loss(out.wav.float(), clean.float())
+    w = LOSS_WEIGHTS
+    loss = w["mag"] * l_mag + w["pha"] * l_pha + w["com"] * l_com + w["time"] * l_time
+    parts = {"mag": l_mag.detach(), "pha": l_pha.detach(), "com": l_com.detach(), "time": l_time.detach()}
+    return loss, parts
+
+
+def training_step_loss(model: MBSNet, batch) -> torch.Tensor:
+    """Scalar loss for memfit.memory.TrainStep."""
+    return enhancement_loss(model, batch)[0]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from memfit.training import add_loop_args
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", choices=list(PRESETS), default="default", help="model preset")
+    p.add_argument("--layers", type=int, default=None, help="override the number of encoder layers")
+    p.add_argument("--channels", type=int, default=None, help="override the channel width")
+    p.add_argument("--bidirectional", action="store_true", help="bidirectional temporal Mamba (not causal)")
+    p.add_argument("--no_checkpoint", action="store_true", help="keep activations (no recompute)")
+    p.add_argument(
+        "--data", default=None, help="VoiceBank+DEMAND-style root (clean_*/ noisy_*/); default: generated"
+    )
+    p.add_argument("--batch_size", type=int, default=6)
+    p.add_argument("--seconds", type=float, default=2.0, help="crop length in seconds")
+    p.add_argument(
+        "--snr", type=float, nargs=2, default=(0.0, 20.0), metavar=("MIN", "MAX"), help="generator SNRs"
+    )
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--weight_decay", type=float, default=0.01)
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: min(50, steps // 10))")
+    add_loop_args(p, steps=1000, log_every=10, save_every=200)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Train from the command line (argv None -> sys.argv[1:]); returns the last metrics."""
+    from memfit.training import Trainer, dist_info, loop_config_from_args, warmup_cosine_lambda
+
+    args = build_parser().parse_args(argv)
+    overrides = {}
+    if args.layers is not None:
+        overrides["num_layers"] = args.layers
+    if args.channels is not None:
+        overrides["channels"] = args.channels
+    if args.bidirectional:
+        overrides["temporal_bidirectional"] = True
+    if args.no_checkpoint:
+        overrides["checkpoint"] = False
+    if args.batch_size < 1 or args.seconds * SAMPLE_RATE < 400:
+        raise SystemExit("error: --batch_size must be >= 1 and --seconds >= 0.025 (one STFT window)")
+    try:
+        cfg = get_config(args.config, **overrides)
+        pairs = None
+        if args.data:
+            try:
+                pairs = find_pairs(args.data, split="train")
+            except FileNotFoundError:
+                pairs = find_pairs(args.data)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    loop = loop_config_from_args(args, system=SYSTEM_NAME)
+    torch.manual_seed(loop.seed)
+    model = MBSNet(cfg)
+    crop = int(args.seconds * SAMPLE_RATE)
+    rank = dist_info().rank
+    source = f"{len(pairs)} pairs from {args.data}" if pairs is not None else "generated speech-like pairs"
+    if rank == 0:
+        print(
+            f"mbsnet-train: {args.config} config, {count_params(model) / 1e6:.3f}M params, "
+            f"batch {args.batch_size} x "
+            f"{args.seconds:g} s, data: {source}",
+            file=sys.stderr,
+        )
+
+    def get_batch(step: int, micro: int):
+        rng = pair_rng(loop.seed, step, micro * 1000 + rank)
+        if pairs is not None:
+            noisy, clean = folder_batch(pairs, args.batch_size, crop, rng)
+        else:
+            noisy, clean = synth_batch(args.batch_size, crop, rng, snr_range=tuple(args.snr))
+        dev = trainer.device
+        return torch.from_numpy(np.ascontiguousarray(noisy)).to(dev), torch.from_numpy(clean).to(dev)
+
+    warmup = args.warmup if args.warmup is not None else min(50, loop.steps // 10)
+    device_model = model.to(_device(loop.device))
+    opt = torch.optim.AdamW(
+        device_model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.8, 0.99)
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine_lambda(loop.steps, warmup))
+    trainer = Trainer(
+        device_model,
+        opt,
+        enhancement_loss,
+        get_batch,
+        loop,
+        scheduler=sched,
+        model_config={"preset": args.config, **cfg.to_dict()},
+        items_per_step=args.batch_size * crop * loop.grad_accum,
+    )
+    return trainer.fit()
+
+
+def _device(name: str) -> torch.device:
+    from memfit.training import resolve_device
+
+    return resolve_device(name)
+
+
+if __name__ == "__main__":
+    main()

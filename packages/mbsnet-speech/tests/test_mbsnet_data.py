@@ -1,0 +1,99 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from mbsnet_speech.data import (
+    find_pairs,
+    folder_batch,
+    heldout_pairs,
+    pair_rng,
+    read_wav,
+    synth_batch,
+)
+
+DATA = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "speech"
+
+
+def test_generator_is_deterministic_and_heldout_is_disjoint():
+    a = synth_batch(2, 8000, pair_rng(0, 5, 0))
+    b = synth_batch(2, 8000, pair_rng(0, 5, 0))
+    c = synth_batch(2, 8000, pair_rng(0, 6, 0))
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+    assert not np.array_equal(a[1], c[1])
+    noisy, clean = a
+    assert noisy.shape == clean.shape == (2, 8000) and noisy.dtype == np.float32
+    assert np.max(np.abs(noisy)) <= 0.9 + 1e-6
+    snr = 10 * np.log10(np.sum(clean**2, 1) / np.sum((noisy - clean) ** 2, 1))
+    assert np.all((snr > -0.5) & (snr < 20.5))  # default range 0..20 dB
+    held = heldout_pairs(2, seconds=0.5)
+    train_cleans = [synth_batch(1, 8000, pair_rng(1234, i, 0))[1][0] for i in range(2)]
+    assert all(not np.array_equal(h[2], t) for h in held for t in train_cleans)
+
+
+def _speech(name):
+    if not (DATA / name).exists():
+        pytest.skip(f"shared speech data not found at {DATA}")
+    x, fs = sf.read(DATA / name, dtype="float32")
+    return x, fs
+
+
+def make_voicebank(root: Path, n: int = 3) -> Path:
+    """A VoiceBank+DEMAND-style tree built from the shared pesq speech files (cut into n clips)."""
+    clean, fs = _speech("speech.wav")
+    noisy, _ = _speech("speech_bab_0dB.wav")
+    for split in ("trainset_wav", "testset_wav"):
+        (root / f"clean_{split}").mkdir(parents=True)
+        (root / f"noisy_{split}").mkdir(parents=True)
+        step = len(clean) // n
+        for i in range(n):
+            sl = slice(i * step, (i + 1) * step)
+            sf.write(root / f"clean_{split}" / f"p{i:03d}.wav", clean[sl], fs)
+            sf.write(root / f"noisy_{split}" / f"p{i:03d}.wav", noisy[sl], fs)
+    return root
+
+
+def test_voicebank_folder_pairs_and_crops(tmp_path):
+    root = make_voicebank(tmp_path / "vb")
+    pairs = find_pairs(root, split="train")
+    assert pairs.names == ["p000.wav", "p001.wav", "p002.wav"]
+    noisy, clean = folder_batch(pairs, 4, 32000, pair_rng(0, 0))  # clips are ~1 s: zero-padded
+    assert noisy.shape == (4, 32000) and np.abs(clean[:, 20000:]).max() == 0
+    again = folder_batch(pairs, 4, 32000, pair_rng(0, 0))
+    assert np.array_equal(noisy, again[0])
+
+
+def test_stereo_44k_is_resampled_to_16k_mono(tmp_path):
+    x, fs = _speech("speech.wav")
+    import torch
+    import torchaudio.functional as AF
+
+    x44 = AF.resample(torch.from_numpy(x), fs, 44100).numpy()
+    sf.write(tmp_path / "st.wav", np.stack([x44, 0.5 * x44], 1), 44100)
+    y = read_wav(tmp_path / "st.wav")
+    assert y.ndim == 1 and abs(len(y) - len(x)) <= 2
+    m = min(len(x), len(y))
+    err = np.sum((0.75 * x[:m] - y[:m]) ** 2) / np.sum((0.75 * x[:m]) ** 2)
+    assert err < 1e-2  # the same speech, average of the two channels
+
+
+def test_bad_folders_raise_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        find_pairs(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="clean_"):
+        find_pairs(tmp_path / "empty")
+    root = make_voicebank(tmp_path / "mismatch")
+    (root / "noisy_trainset_wav" / "p001.wav").rename(root / "noisy_trainset_wav" / "p999.wav")
+    with pytest.raises(ValueError, match=r"names differ.*p001\.wav.*p999\.wav"):
+        find_pairs(root, split="train")
+    root = make_voicebank(tmp_path / "short")
+    sf.write(root / "clean_trainset_wav" / "p000.wav", np.zeros(100, np.float32), 16000)
+    with pytest.raises(ValueError, match="shorter than one STFT frame"):
+        find_pairs(root, split="train")
+    root = make_voicebank(tmp_path / "corrupt")
+    (root / "noisy_testset_wav" / "p002.wav").write_bytes(b"RIFF\x00\x00garbage")
+    with pytest.raises(ValueError, match=r"p002\.wav.*corrupt"):
+        find_pairs(root, split="test")
+    with pytest.raises(ValueError, match="valid wav"):
+        read_wav(root / "noisy_testset_wav" / "p002.wav")
