@@ -16,7 +16,12 @@ def formula(cfg: MambaConfig) -> int:
 
 @pytest.mark.parametrize(
     "cfg",
-    [MambaConfig(64), MambaConfig(96, d_state=8, d_conv=3, expand=3), MambaConfig(130, dt_rank=5)],
+    [
+        MambaConfig(64),
+        MambaConfig(96, d_state=8, d_conv=3, expand=3),
+        MambaConfig(130, dt_rank=5),
+        MambaConfig(128, expand=1.5),
+    ],
 )
 def test_parameter_count_matches_formula(cfg):
     assert sum(p.numel() for p in Mamba(cfg).parameters()) == formula(cfg)

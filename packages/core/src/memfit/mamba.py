@@ -31,7 +31,7 @@ class MambaConfig:
     d_model: int
     d_state: int = 16
     d_conv: int = 4
-    expand: int = 2
+    expand: float = 2  # d_inner = int(expand * d_model), as mamba_ssm (1.5 is common in speech models)
     dt_rank: int | str = "auto"  # "auto": ceil(d_model / 16)
     dt_min: float = 0.001
     dt_max: float = 0.1
@@ -43,16 +43,20 @@ class MambaConfig:
 
     @property
     def d_inner(self) -> int:
-        return self.expand * self.d_model
+        return int(self.expand * self.d_model)
 
     @property
     def rank(self) -> int:
         return math.ceil(self.d_model / 16) if self.dt_rank == "auto" else int(self.dt_rank)
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "d_state", "d_conv", "expand"):
+        for name in ("d_model", "d_state", "d_conv"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"MambaConfig.{name} must be a positive int, got {getattr(self, name)!r}")
+        if isinstance(self.expand, bool) or not isinstance(self.expand, int | float) or self.expand <= 0:
+            raise ValueError(f"MambaConfig.expand must be a positive number, got {self.expand!r}")
+        if self.d_inner < 1:
+            raise ValueError(f"MambaConfig: int(expand * d_model) must be >= 1, got {self.d_inner}")
         if self.dt_rank != "auto" and (not isinstance(self.dt_rank, int) or self.dt_rank < 1):
             raise ValueError(f"MambaConfig.dt_rank must be 'auto' or a positive int, got {self.dt_rank!r}")
         if not 0 < self.dt_min <= self.dt_max:

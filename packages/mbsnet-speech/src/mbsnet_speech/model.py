@@ -99,25 +99,10 @@ def make_mamba(cfg: MBSNetConfig, bidirectional: bool) -> nn.Module:
 
 
 def _mamba_config(cfg: MBSNetConfig):
-    """memfit.mamba.MambaConfig for the config; a fractional expand (1.5) gives d_inner = int(expand * C)
-    as in mamba_ssm, while memfit's MambaConfig takes integer expands only, so we override d_inner."""
-    from dataclasses import dataclass
-
+    """memfit.mamba.MambaConfig for the config; a fractional expand (1.5) gives d_inner = int(expand * C)."""
     from memfit.mamba import MambaConfig
 
-    kw = dict(d_model=cfg.channels, d_state=cfg.d_state, d_conv=cfg.d_conv)
-    if float(cfg.expand).is_integer():
-        return MambaConfig(expand=int(cfg.expand), **kw)
-
-    @dataclass
-    class FractionalMambaConfig(MambaConfig):
-        inner: int = 0
-
-        @property
-        def d_inner(self) -> int:
-            return self.inner
-
-    return FractionalMambaConfig(expand=1, inner=int(cfg.expand * cfg.channels), **kw)
+    return MambaConfig(d_model=cfg.channels, d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand)
 
 
 # ----------------------------------------------------------------------------------------------------
