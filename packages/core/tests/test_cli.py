@@ -65,8 +65,11 @@ def test_budget_json_is_valid_and_complete(capsys):
     systems = sorted(available_systems())
     if not systems:
         pytest.skip("no systems installed")
+    system = (
+        "moremouse-triplane" if "moremouse-triplane" in systems else systems[0]
+    )  # the quickest to estimate
     with pytest.raises(SystemExit):
-        cli.main(["budget", "--json", "--system", systems[0]])
+        cli.main(["budget", "--json", "--system", system])
     rows = json.loads(capsys.readouterr().out)
     assert rows
     keys = {
