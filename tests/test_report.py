@@ -35,3 +35,30 @@ def test_report_writes_table_json_and_plots(tmp_path):
 def test_report_rejects_unknown_system(tmp_path):
     with pytest.raises(SystemExit, match="unknown system"):
         main(["--system", "nope", "--out", str(tmp_path)])
+
+
+def _check_fit(system, gpu_gib, max_batch, variant):
+    from memfit.fit import fit_system
+    from memfit.memory import estimate_training_step
+    from memfit.system import load_system
+
+    entry = next(e for e in load_system(system).budgets() if e.variant == variant)
+    results = fit_system(system, gpu_gib, max_batch=max_batch, variants=[variant])
+    assert {r.checkpointing for r in results} == {False, True}
+    for r in results:
+        assert 1 <= r.batch < max_batch
+        assert r.estimated_gib <= gpu_gib < r.next_gib
+        # the answer is exact: batch+1 does not fit
+        over = estimate_training_step(entry.make_step(r.batch + 1, r.checkpointing)).peak_gib
+        assert over > gpu_gib
+    plain, ckpt = sorted(results, key=lambda r: r.checkpointing)
+    assert ckpt.batch >= plain.batch  # checkpointing never lowers the batch that fits
+
+
+def test_fit_finder_moremouse():
+    _check_fit("moremouse-triplane", gpu_gib=12.0, max_batch=64, variant="sdpa")
+
+
+@pytest.mark.slow
+def test_fit_finder_mbsnet():
+    _check_fit("mbsnet-speech", gpu_gib=3.0, max_batch=256, variant="chunked-200f")

@@ -8,10 +8,12 @@ only with it: 65,536 decoded tokens x the FF's hidden width per block otherwise)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from memfit.memory import TrainStep
-from memfit.system import BudgetEntry, System
+from memfit.system import BudgetEntry, Scaling, System
 
 from ginr_cifar.config import GINRConfig, get_config
 from ginr_cifar.model import GINR
@@ -67,6 +69,12 @@ def budget_entries() -> list[BudgetEntry]:
                     f"{cfg.decoder_width} x {cfg.decoder_depth} scales, {NUM_COORDS} coords, {ckpt}"
                 ),
                 calibration=ginr_step(calibration_config(decoder), 4, 256),
+                make_step=lambda b, ckpt, cfg=cfg: ginr_step(replace(cfg, checkpoint=ckpt), b, NUM_COORDS),
+                scaling=Scaling(
+                    label="query coordinates per image",
+                    sizes=[1024, 2048, 4096],
+                    make_step=lambda n, cfg=cfg: ginr_step(cfg, BATCH, n),
+                ),
             )
         )
     return entries

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 from memfit.memory import TrainStep
-from memfit.system import BudgetEntry, System
+from memfit.system import BudgetEntry, Scaling, System
 
 from gpt2_window.config import GPTConfig, preset
 from gpt2_window.eval import main as eval_main
@@ -68,6 +68,14 @@ def budget_entries() -> list[BudgetEntry]:
             is_baseline=baseline,
             config=f"d12 GPT-2 124M, T {PAPER_T}, {what}",
             calibration=_calibration(cfg, amp),
+            make_step=lambda b, ckpt, cfg=cfg, amp=amp: gpt_step(
+                replace(cfg, checkpoint=ckpt), b, PAPER_T, amp
+            ),
+            scaling=Scaling(
+                label="sequence length T (batch 4)",
+                sizes=[256, 512, 1024],
+                make_step=lambda T, cfg=cfg, amp=amp: gpt_step(cfg, PAPER_BATCH, T, amp),
+            ),
         )
         for variant, cfg, amp, dtype, budget, baseline, what in rows
     ]

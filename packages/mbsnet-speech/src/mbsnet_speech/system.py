@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from memfit.memory import TrainStep
-from memfit.system import BudgetEntry, System
+from memfit.system import BudgetEntry, Scaling, System
 
 from mbsnet_speech.config import MBSNetConfig, default_config, seed_config, tiny_config
 from mbsnet_speech.model import MBSNet
@@ -64,6 +66,12 @@ def budget_entries() -> list[BudgetEntry]:
             budget_gib=BUDGET_GIB,
             config=desc + ", 200 frames",
             calibration=calibration_step(),
+            make_step=lambda b, ckpt: train_step(replace(ours, checkpoint=ckpt), b, samples_for_frames(200)),
+            scaling=Scaling(
+                label="STFT frames (batch 6)",
+                sizes=[100, 200, 400],
+                make_step=lambda n: train_step(ours, 6, samples_for_frames(n)),
+            ),
         ),
         BudgetEntry(
             variant="chunked-2s",
@@ -84,6 +92,11 @@ def budget_entries() -> list[BudgetEntry]:
             config="the seed's MBS-Net: dual branches, bidirectional Mamba everywhere, expand 2, "
             "materialising real_mamba scan, 200 frames",
             calibration=calibration_step(baseline=True),
+            scaling=Scaling(
+                label="STFT frames (batch 6)",
+                sizes=[100, 200, 400],
+                make_step=lambda n: train_step(seed, 6, samples_for_frames(n)),
+            ),
         ),
     ]
 
