@@ -139,7 +139,7 @@ def budget_rows(system: str | None = None) -> list[dict]:
 
 def format_budget_table(rows: list[dict]) -> str:
     header = (
-        f"{'system':<20} {'variant':<14} {'batch':>5} {'dtype':<5} {'params':>8} "
+        f"{'system':<20} {'variant':<18} {'batch':>5} {'dtype':<5} {'params':>8} "
         f"{'estimate GiB':>12} {'budget GiB':>10}  status"
     )
     lines = [header, "-" * len(header)]
@@ -150,7 +150,7 @@ def format_budget_table(rows: list[dict]) -> str:
         else:
             status = "fits" if r["fits"] else "OVER BUDGET"
         lines.append(
-            f"{r['system']:<20} {r['variant']:<14} {r['batch']:>5} {r['dtype']:<5} "
+            f"{r['system']:<20} {r['variant']:<18} {r['batch']:>5} {r['dtype']:<5} "
             f"{r['params'] / 1e6:>7.2f}M {r['estimated_gib']:>12.3f} {budget:>10}  {status}"
         )
     if not rows:

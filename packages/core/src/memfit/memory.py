@@ -225,14 +225,15 @@ def training_state_tensors(
     return out
 
 
+def _autocast(step: TrainStep, device: torch.device) -> contextlib.AbstractContextManager:
+    if step.amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=step.amp_dtype)
+
+
 def _run_step(step: TrainStep, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> None:
     batch = step.make_batch(device)
-    ctx = (
-        torch.autocast(device_type=device.type, dtype=step.amp_dtype)
-        if step.amp_dtype is not None
-        else contextlib.nullcontext()
-    )
-    with ctx:
+    with _autocast(step, device):
         loss = step.loss(model, batch)
     loss.backward()
     opt.step()
@@ -273,12 +274,7 @@ def _tracked_steps(step: TrainStep, steps: int, fake: bool, device: torch.device
         for _ in range(steps):
             batch = step.make_batch(device)
             tracker.category = "activations"
-            ctx = (
-                torch.autocast(device_type=device.type, dtype=step.amp_dtype)
-                if step.amp_dtype is not None
-                else contextlib.nullcontext()
-            )
-            with ctx:
+            with _autocast(step, device):
                 loss = step.loss(model, batch)
             loss.backward()
             del loss
