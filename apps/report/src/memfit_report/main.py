@@ -1,7 +1,7 @@
 """`memfit-report`: every system's budget (ours vs naive baseline), calibration, scaling and benchmarks.
 
 Writes ``reports/latest/``: ``report.md`` (the table), ``report.json`` (every figure),
-``memory_by_category.png`` (ours vs baseline per system) and ``scaling.png`` (peak vs tokens, log-log,
+``memory_by_category.png`` (ours vs baseline per system) and ``scaling.png`` (activations vs tokens, log-log,
 with fitted exponents), plus the benchmarks' JSON when they are run.
 """
 
@@ -57,9 +57,9 @@ def collect(systems: list[str], calibrate: bool = True, scaling: bool = True, lo
                     "drift": small_est.peak_bytes / small_real.peak_bytes - 1,
                 }
             if scaling and e.scaling is not None:
-                peaks = [
-                    estimate_training_step(e.scaling.make_step(n)).peak_bytes / GIB for n in e.scaling.sizes
-                ]
+                reports = [estimate_training_step(e.scaling.make_step(n)) for n in e.scaling.sizes]
+                # fit the activations: parameters and optimizer state do not grow with tokens
+                acts = [r.by_category["activations"] / GIB for r in reports]
                 scalings.append(
                     {
                         "system": name,
@@ -67,8 +67,9 @@ def collect(systems: list[str], calibrate: bool = True, scaling: bool = True, lo
                         "is_baseline": e.is_baseline,
                         "label": e.scaling.label,
                         "sizes": e.scaling.sizes,
-                        "peak_gib": peaks,
-                        "exponent": fit_exponent(e.scaling.sizes, peaks),
+                        "peak_gib": [r.peak_gib for r in reports],
+                        "activations_gib": acts,
+                        "exponent": fit_exponent(e.scaling.sizes, acts),
                     }
                 )
             rows.append(row)
@@ -149,12 +150,14 @@ def plot_scaling(scalings: list[dict], path: Path) -> None:
     for ax, name in zip(axes[0], systems):
         for s in (s for s in scalings if s["system"] == name):
             style = "--o" if s["is_baseline"] else "-o"
-            ax.loglog(s["sizes"], s["peak_gib"], style, label=f"{s['variant']} (slope {s['exponent']:.2f})")
+            ax.loglog(
+                s["sizes"], s["activations_gib"], style, label=f"{s['variant']} (slope {s['exponent']:.2f})"
+            )
             ax.set_xlabel(s["label"])
         ax.set_title(name)
-        ax.set_ylabel("estimated peak, GiB")
+        ax.set_ylabel("activations at the peak, GiB")
         ax.legend(fontsize=8)
-    fig.suptitle("Peak memory vs tokens (log-log, fitted exponents)")
+    fig.suptitle("Activation memory vs tokens (log-log, fitted exponents)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -182,11 +185,23 @@ def write_report(out_dir: Path, data: dict) -> None:
     md = ["# memfit report", "", "Regenerate: `uv run memfit-report` (writes this folder).", ""]
     md += [markdown_table(data["rows"]), ""]
     if data["scaling"]:
-        md += ["## Scaling (estimated peak vs tokens, fitted log-log exponent)", ""]
-        md += ["| system | variant | tokens | sizes | peak GiB | exponent |", "|---|---|---|---|---|---|"]
+        md += ["## Scaling (estimated activations at the peak vs tokens, fitted log-log exponent)", ""]
+        md += [
+            "| system | variant | tokens | sizes | peak GiB | activations GiB | exponent |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for s in data["scaling"]:
             peaks = ", ".join(f"{p:.2f}" for p in s["peak_gib"])
-            cells = [s["system"], s["variant"], s["label"], str(s["sizes"]), peaks, f"{s['exponent']:.2f}"]
+            acts = ", ".join(f"{p:.2f}" for p in s["activations_gib"])
+            cells = [
+                s["system"],
+                s["variant"],
+                s["label"],
+                str(s["sizes"]),
+                peaks,
+                acts,
+                f"{s['exponent']:.2f}",
+            ]
             md.append("| " + " | ".join(cells) + " |")
         md.append("")
     for name, res in data.get("benchmarks", {}).items():
