@@ -15,6 +15,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from memfit.metrics import psnr_per_image
 from memfit.training import (
     Trainer,
     add_loop_args,
@@ -98,12 +99,6 @@ def reconstruct(model: GINR, images: torch.Tensor, batch_size: int = 100) -> tor
         rgb = model(x, grid.expand(x.shape[0], -1, -1)).float().clamp(0, 1)
         out.append(pixels_to_image(rgb, size).cpu())
     return torch.cat(out)
-
-
-def psnr_per_image(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """pred, target (N, C, H, W) in [0, 1] -> PSNR in dB per image (N,)."""
-    mse = (pred.float() - target.float()).pow(2).flatten(1).mean(1).clamp_min(1e-10)
-    return -10 * torch.log10(mse)
 
 
 def mean_colour_psnr(images: torch.Tensor) -> float:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from memfit.metrics import psnr_per_image
 from memfit.training import load_checkpoint, resolve_device
 
 from moremouse_triplane.config import TriplaneConfig
@@ -26,9 +26,8 @@ from moremouse_triplane.render import image_rays
 
 
 def psnr(pred: torch.Tensor, target: torch.Tensor) -> float:
-    """PSNR in dB of images in [0, 1] (any shape)."""
-    mse = F.mse_loss(pred.float(), target.float()).item()
-    return 10 * math.log10(1.0 / max(mse, 1e-12))
+    """PSNR in dB of one image in [0, 1] (any shape)."""
+    return psnr_per_image(pred[None], target[None]).item()
 
 
 def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
@@ -109,9 +108,7 @@ def evaluate(
 
 def main(argv: list[str] | None = None) -> dict:
     """Evaluate a trained run; prints and returns {psnr, psnr_constant, ssim, ...}."""
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", default="runs/moremouse-triplane/run", help="run folder or checkpoint file")
     p.add_argument(
         "--data", default=None, help="folder of renders; default: held-out generated mice (val split)"
