@@ -1,6 +1,7 @@
 """The loop toolkit: exact resume, atomic checkpoints, accumulation, AMP, DDP on CPU."""
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -225,3 +226,18 @@ def test_ddp_two_processes_equal_one_process_with_double_batch(tmp_path):
     two, one = _run_ddp(tmp_path, 2), _run_ddp(tmp_path, 1)
     for a, b in zip(two, one):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_warmup_cosine_matches_nanogpt_get_lr():
+    """The schedule nanoGPT's train.py computes (lr 1e-3, min 1e-4, warmup 100, decay over 2000 its)."""
+    lr, min_lr, warmup, decay = 1e-3, 1e-4, 100, 2000
+
+    def get_lr(it):
+        if it < warmup:
+            return lr * (it + 1) / (warmup + 1)
+        ratio = (it - warmup) / (decay - warmup)
+        return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+    f = warmup_cosine_lambda(decay, warmup, min_ratio=min_lr / lr)
+    for it in range(decay):
+        assert lr * f(it) == pytest.approx(get_lr(it), rel=1e-12, abs=1e-15)

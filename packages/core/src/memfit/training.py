@@ -150,7 +150,7 @@ def warmup_cosine_lambda(total: int, warmup: int, min_ratio: float = 0.1) -> Cal
 
     def f(step: int) -> float:
         if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
+            return (step + 1) / (warmup + 1)  # nanoGPT's get_lr: never exactly 0, reaches 1 after warmup
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
