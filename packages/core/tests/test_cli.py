@@ -109,3 +109,17 @@ def test_largest_batch_search_is_exact():
     assert probes == len(set(calls)) <= 20
     assert largest_batch(peak, 0.55)[0] == 0  # not even batch 1
     assert largest_batch(peak, 1e9, max_batch=100)[:1] == (100,)
+
+
+def test_memfit_run_reaches_extra_commands(capsys):
+    if "mbsnet-speech" not in available_systems():
+        pytest.skip("mbsnet-speech not installed")
+    with pytest.raises(SystemExit, match="extra commands: enhance"):
+        cli.main(["run", "mbsnet-speech", "nope"])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["run", "mbsnet-speech", "enhance", "--help"])
+    assert exit_info.value.code == 0
+    assert "--out" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["systems"])
+    assert "mbsnet-speech  (extra commands: enhance)" in capsys.readouterr().out

@@ -189,6 +189,23 @@ def _fit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _systems(args: argparse.Namespace) -> int:
+    for name in sorted(available_systems()):
+        extra = sorted(load_system(name).extra_commands)
+        print(name + (f"  (extra commands: {', '.join(extra)})" if extra else ""))
+    return 0
+
+
+def _run_extra(args: argparse.Namespace) -> int:
+    system = load_system(args.system)
+    if args.cmd not in system.extra_commands:
+        choices = ", ".join(sorted(system.extra_commands)) or "none"
+        raise SystemExit(f"error: {args.system} has no command {args.cmd!r}; its extra commands: {choices}")
+    sys.argv[0] = f"{args.system} {args.cmd}"
+    result = system.extra_commands[args.cmd](args.args)
+    return result if isinstance(result, int) else 0
+
+
 def main(argv: list[str] | None = None) -> None:
     """The `memfit` command."""
     parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
@@ -204,8 +221,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch", type=int, default=4096)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_fit)
-    p = sub.add_parser("systems", help="list installed systems")
-    p.set_defaults(func=lambda a: print("\n".join(sorted(available_systems()))) or 0)
+    p = sub.add_parser(
+        "run", help="a system's extra command, e.g. `memfit run mbsnet-speech enhance IN --out DIR`"
+    )
+    p.add_argument("system")
+    p.add_argument("cmd", metavar="command")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_run_extra)
+    p = sub.add_parser("systems", help="list installed systems and their extra commands")
+    p.set_defaults(func=_systems)
     args = parser.parse_args(argv)
     raise SystemExit(args.func(args))
 
