@@ -1,7 +1,6 @@
 import csv
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,30 +12,7 @@ pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba bloc
 from mbsnet_speech import enhance, eval, train  # noqa: E402
 from mbsnet_speech.enhance import enhance_array  # noqa: E402
 
-SPEECH = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "speech"
 TINY = ["--config", "tiny", "--batch_size", "2", "--seconds", "0.5", "--no_progress", "--log_every", "1"]
-
-
-def _speech():
-    if not (SPEECH / "speech.wav").exists():
-        pytest.skip(f"shared speech data not found at {SPEECH}")
-    clean, fs = sf.read(SPEECH / "speech.wav", dtype="float32")
-    noisy, _ = sf.read(SPEECH / "speech_bab_0dB.wav", dtype="float32")
-    return clean, noisy, fs
-
-
-def make_voicebank(root: Path, n: int = 3) -> Path:
-    """VoiceBank+DEMAND layout (clean_*/ noisy_*/, same names) cut from the shared pesq speech files."""
-    clean, noisy, fs = _speech()
-    for split in ("trainset_wav", "testset_wav"):
-        (root / f"clean_{split}").mkdir(parents=True)
-        (root / f"noisy_{split}").mkdir(parents=True)
-        step = len(clean) // n
-        for i in range(n):
-            sl = slice(i * step, (i + 1) * step)
-            sf.write(root / f"clean_{split}" / f"p{i:03d}.wav", clean[sl], fs)
-            sf.write(root / f"noisy_{split}" / f"p{i:03d}.wav", noisy[sl], fs)
-    return root
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +48,7 @@ def test_resume_continues_exactly(trained, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
-def test_train_on_voicebank_folder(tmp_path):
+def test_train_on_voicebank_folder(tmp_path, make_voicebank):
     root = make_voicebank(tmp_path / "vb")
     out = train.main(
         [*TINY, "--steps", "1", "--data", str(root), "--runs_dir", str(tmp_path), "--run_name", "vb"]
@@ -104,7 +80,7 @@ def test_eval_writes_table_csv_and_spectrogram(trained, tmp_path, capsys):
     assert "mean (noisy -> enhanced)" in capsys.readouterr().out
 
 
-def test_eval_on_folder_records_a_bad_file_and_goes_on(trained, tmp_path):
+def test_eval_on_folder_records_a_bad_file_and_goes_on(trained, tmp_path, make_voicebank):
     run_dir, _ = trained
     root = make_voicebank(tmp_path / "vb")
     sf.write(root / "clean_testset_wav" / "p001.wav", np.zeros(16000, np.float32), 16000)
@@ -131,9 +107,9 @@ def test_chunked_overlap_add_is_exact_for_identity_and_bounded():
     assert len(lengths) == 7 and max(lengths) == 8000
 
 
-def test_enhance_long_file_in_chunks(trained, tmp_path):
+def test_enhance_long_file_in_chunks(trained, tmp_path, speech):
     run_dir, _ = trained
-    clean, noisy, fs = _speech()
+    clean, noisy, fs = speech
     long = np.tile(noisy, 3)  # ~9.3 s
     (tmp_path / "in").mkdir()
     sf.write(tmp_path / "in" / "long.wav", long, fs)

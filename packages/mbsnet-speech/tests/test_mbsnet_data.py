@@ -1,5 +1,3 @@
-from pathlib import Path
-
 import numpy as np
 import pytest
 import soundfile as sf
@@ -11,8 +9,6 @@ from mbsnet_speech.data import (
     read_wav,
     synth_batch,
 )
-
-DATA = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "speech"
 
 
 def test_generator_is_deterministic_and_heldout_is_disjoint():
@@ -31,29 +27,7 @@ def test_generator_is_deterministic_and_heldout_is_disjoint():
     assert all(not np.array_equal(h[2], t) for h in held for t in train_cleans)
 
 
-def _speech(name):
-    if not (DATA / name).exists():
-        pytest.skip(f"shared speech data not found at {DATA}")
-    x, fs = sf.read(DATA / name, dtype="float32")
-    return x, fs
-
-
-def make_voicebank(root: Path, n: int = 3) -> Path:
-    """A VoiceBank+DEMAND-style tree built from the shared pesq speech files (cut into n clips)."""
-    clean, fs = _speech("speech.wav")
-    noisy, _ = _speech("speech_bab_0dB.wav")
-    for split in ("trainset_wav", "testset_wav"):
-        (root / f"clean_{split}").mkdir(parents=True)
-        (root / f"noisy_{split}").mkdir(parents=True)
-        step = len(clean) // n
-        for i in range(n):
-            sl = slice(i * step, (i + 1) * step)
-            sf.write(root / f"clean_{split}" / f"p{i:03d}.wav", clean[sl], fs)
-            sf.write(root / f"noisy_{split}" / f"p{i:03d}.wav", noisy[sl], fs)
-    return root
-
-
-def test_voicebank_folder_pairs_and_crops(tmp_path):
+def test_voicebank_folder_pairs_and_crops(tmp_path, make_voicebank):
     root = make_voicebank(tmp_path / "vb")
     pairs = find_pairs(root, split="train")
     assert pairs.names == ["p000.wav", "p001.wav", "p002.wav"]
@@ -63,8 +37,8 @@ def test_voicebank_folder_pairs_and_crops(tmp_path):
     assert np.array_equal(noisy, again[0])
 
 
-def test_stereo_44k_is_resampled_to_16k_mono(tmp_path):
-    x, fs = _speech("speech.wav")
+def test_stereo_44k_is_resampled_to_16k_mono(tmp_path, speech):
+    x, _, fs = speech
     import torch
     import torchaudio.functional as AF
 
@@ -77,7 +51,7 @@ def test_stereo_44k_is_resampled_to_16k_mono(tmp_path):
     assert err < 1e-2  # the same speech, average of the two channels
 
 
-def test_bad_folders_raise_clear_errors(tmp_path):
+def test_bad_folders_raise_clear_errors(tmp_path, make_voicebank):
     with pytest.raises(FileNotFoundError, match="not a folder"):
         find_pairs(tmp_path / "missing")
     (tmp_path / "empty").mkdir()

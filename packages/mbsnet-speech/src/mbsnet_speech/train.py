@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
+from memfit.training import dist_info, resolve_device
 
 from mbsnet_speech.config import PRESETS, get_config
 from mbsnet_speech.data import SAMPLE_RATE, find_pairs, folder_batch, pair_rng, synth_batch
@@ -100,8 +101,6 @@ PAPER_RECIPE = dict(config="default", channels=None, batch_size=6, seconds=2.0, 
 
 def resolve_recipe(args: argparse.Namespace) -> None:
     """Fill the flags left unset from the recipe that fits this machine (auto) or the chosen preset."""
-    from memfit.training import resolve_device
-
     auto = args.config == "auto"
     on_gpu = resolve_device(args.device).type == "cuda"
     recipe = PAPER_RECIPE if (not auto or on_gpu) else CPU_RECIPE
@@ -109,7 +108,7 @@ def resolve_recipe(args: argparse.Namespace) -> None:
         args.config = recipe["config"]
         if args.channels is None:
             args.channels = recipe["channels"]
-        if not on_gpu and dist_rank() == 0:
+        if not on_gpu and dist_info().rank == 0:
             print(
                 "mbsnet-train: no GPU, so the quick CPU recipe (tiny config, 32 channels, batch 4 x 1 s, "
                 "300 steps); `--config default` trains the 2.6M-parameter model",
@@ -120,15 +119,9 @@ def resolve_recipe(args: argparse.Namespace) -> None:
             setattr(args, key, recipe[key])
 
 
-def dist_rank() -> int:
-    from memfit.training import dist_info
-
-    return dist_info().rank
-
-
 def main(argv: list[str] | None = None) -> dict:
     """Train from the command line (argv None -> sys.argv[1:]); returns the last metrics."""
-    from memfit.training import Trainer, dist_info, loop_config_from_args, warmup_cosine_lambda
+    from memfit.training import Trainer, loop_config_from_args, warmup_cosine_lambda
 
     args = build_parser().parse_args(argv)
     resolve_recipe(args)
@@ -177,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
         return torch.from_numpy(np.ascontiguousarray(noisy)).to(dev), torch.from_numpy(clean).to(dev)
 
     warmup = args.warmup if args.warmup is not None else min(50, loop.steps // 10)
-    device_model = model.to(_device(loop.device))
+    device_model = model.to(resolve_device(loop.device))
     opt = torch.optim.AdamW(
         device_model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.8, 0.99)
     )
@@ -193,12 +186,6 @@ def main(argv: list[str] | None = None) -> dict:
         items_per_step=args.batch_size * crop * loop.grad_accum,
     )
     return trainer.fit()
-
-
-def _device(name: str) -> torch.device:
-    from memfit.training import resolve_device
-
-    return resolve_device(name)
 
 
 if __name__ == "__main__":
