@@ -106,17 +106,31 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def plot_categories(rows: list[dict], path: Path) -> None:
+def _panels(records: list[dict], height: float):
+    """One subplot per system (sorted): returns (figure, [(axis, system), ...])."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = sorted({r["system"] for r in rows})
-    fig, axes = plt.subplots(
-        1, max(1, len(systems)), figsize=(4.2 * max(1, len(systems)), 4.2), squeeze=False
-    )
-    for ax, name in zip(axes[0], systems):
+    systems = sorted({r["system"] for r in records})
+    n = max(1, len(systems))
+    fig, axes = plt.subplots(1, n, figsize=(4.2 * n, height), squeeze=False)
+    return fig, list(zip(axes[0], systems))
+
+
+def _save(fig, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_categories(rows: list[dict], path: Path) -> None:
+    fig, panels = _panels(rows, 4.2)
+    for ax, name in panels:
         mine = [r for r in rows if r["system"] == name]
         labels = [r["variant"] + ("\n(baseline)" if r["is_baseline"] else "") for r in mine]
         bottom = [0.0] * len(mine)
@@ -130,24 +144,13 @@ def plot_categories(rows: list[dict], path: Path) -> None:
         ax.set_title(name)
         ax.set_ylabel("estimated peak, GiB")
         ax.tick_params(axis="x", labelsize=8)
-    axes[0][0].legend(fontsize=8)
-    fig.suptitle("Training-step peak by category (dashed: budget)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    panels[0][0].legend(fontsize=8)
+    _save(fig, "Training-step peak by category (dashed: budget)", path)
 
 
 def plot_scaling(scalings: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    systems = sorted({s["system"] for s in scalings})
-    fig, axes = plt.subplots(
-        1, max(1, len(systems)), figsize=(4.2 * max(1, len(systems)), 4.0), squeeze=False
-    )
-    for ax, name in zip(axes[0], systems):
+    fig, panels = _panels(scalings, 4.0)
+    for ax, name in panels:
         for s in (s for s in scalings if s["system"] == name):
             style = "--o" if s["is_baseline"] else "-o"
             ax.loglog(
@@ -157,10 +160,7 @@ def plot_scaling(scalings: list[dict], path: Path) -> None:
         ax.set_title(name)
         ax.set_ylabel("activations at the peak, GiB")
         ax.legend(fontsize=8)
-    fig.suptitle("Activation memory vs tokens (log-log, fitted exponents)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, "Activation memory vs tokens (log-log, fitted exponents)", path)
 
 
 # The core benchmarks (--quick --json PATH). tools/bench_gpt2.py is left out: its `memory` rows are the
