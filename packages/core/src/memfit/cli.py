@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from memfit.estimate import add_parser as estimate_parser
 from memfit.system import BudgetEntry, available_systems, load_system
 
 # ----------------------------------------------------------------------------------------------------
@@ -221,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch", type=int, default=4096)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_fit)
+    estimate_parser(sub)
     p = sub.add_parser(
         "run", help="a system's extra command, e.g. `memfit run mbsnet-speech enhance IN --out DIR`"
     )
