@@ -175,7 +175,7 @@ def _budget(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from memfit.fit import fit_system, format_fit
+    from memfit.fit import fit_system, format_fit, nothing_fits
 
     if args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
@@ -183,6 +183,9 @@ def _fit(args: argparse.Namespace) -> int:
     if args.gpu_gib <= 0:
         raise SystemExit(f"error: --gpu-gib must be positive, got {args.gpu_gib}")
     results = fit_system(args.system, args.gpu_gib, args.max_batch, args.variant)
+    if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
+        print(message, file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:

@@ -198,6 +198,14 @@ def module_pattern(path: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", path)
 
 
+def merge_paths(paths: set[str]) -> str:
+    """Paths of one pattern -> the pattern with `*` only where they differ (`layers.*.0.fn`)."""
+    if len(paths) == 1:
+        return next(iter(paths))
+    split = [p.split(".") for p in paths]
+    return ".".join(parts[0] if len(set(parts)) == 1 else "*" for parts in zip(*split))
+
+
 @dataclass
 class Trace:
     """One traced step: the report, every recorded storage and the sequence number of the peak."""
@@ -219,6 +227,7 @@ class Trace:
     def groups(self, category: str | None = "activations") -> list[Group]:
         """Tensors alive at the peak, grouped across repeated layers, largest total first."""
         by_key: dict[tuple, Group] = {}
+        paths: dict[tuple, set[str]] = {}
         for r in self.at_peak():
             if category is not None and r[CAT] != category:
                 continue
@@ -227,8 +236,12 @@ class Trace:
             if g is None:
                 name = DTYPE_NAMES.get(r[DTYPE], str(r[DTYPE]).removeprefix("torch."))
                 g = by_key[key] = Group(key[0], key[1], r[SHAPE], name, r[CAT], r[NBYTES], 0, 0)
+                paths[key] = set()
             g.count += 1
             g.saved += bool(r[SAVED])
+            paths[key].add(r[MODULE])
+        for key, g in by_key.items():  # only the indices that differ become `*`: layers.*.0.fn
+            g.module = merge_paths(paths[key])
         return sorted(by_key.values(), key=lambda g: -g.total)
 
     def activations_at_peak(self) -> int:
@@ -437,6 +450,18 @@ def load_target(
 ) -> Target:
     """TARGET (+ --input shapes) -> a Target. Raises BadInput for every user mistake."""
     fn, spec = _load_callable(spec)
+    return make_target(fn, spec, inputs, dtype, target, amp)
+
+
+def make_target(
+    fn: Callable,
+    spec: str,
+    inputs: list[str] | None = None,
+    dtype: str = "float32",
+    target: str = "classes",
+    amp: str = "none",
+) -> Target:
+    """A Target from a callable: a TrainStep function, or a module factory when `inputs` are given."""
     knobs, required = _int_knobs(fn)
     if required:
         raise BadInput(
@@ -463,7 +488,16 @@ def load_target(
                         if axis < len(s) and s[axis] == shapes[0][axis]:
                             s[axis] = value
                 scaled.append(tuple(s))
-            return factory_step(lambda: fn(), scaled, tdtype, target, amp_dtype)
+            return factory_step(build, scaled, tdtype, target, amp_dtype)
+
+        def build() -> nn.Module:
+            model = fn()
+            if not isinstance(model, nn.Module):
+                raise BadInput(
+                    f"{spec}() returned {type(model).__name__}, not an nn.Module; drop --input "
+                    "when it returns a TrainStep"
+                )
+            return model
 
         knobs = {"batch": shapes[0][0]}
         for axis in range(1, len(shapes[0])):
@@ -692,6 +726,8 @@ def _main(args, json) -> int:
     if args.explain:
         rows = explain.what_ifs(target, result.trace)
         out["what_ifs"] = [w.to_dict(base) for w in rows]
+        best = explain.recommend(base, rows)
+        out["try_first"] = None if best is None else best.name
         text += ["", explain.format_what_ifs(base, rows)]
     if args.explain or args.scale:
         knob = args.scale or ("batch" if "batch" in target.knobs else None)

@@ -88,6 +88,18 @@ def fit_system(system: str, gpu_gib: float, max_batch: int = 4096, variants: lis
     return results
 
 
+def nothing_fits(system: str, gpu_gib: float, results: list[FitResult]) -> str | None:
+    """One `error:` line when not even batch 1 of any variant fits (with or without checkpointing)."""
+    if not results or any(r.batch > 0 for r in results):
+        return None
+    best = min(results, key=lambda r: r.estimated_gib)
+    ckpt = " with checkpointing" if best.checkpointing else ""
+    return (
+        f"error: nothing fits {gpu_gib:g} GiB: the smallest {system} step, {best.variant}{ckpt} at batch 1, "
+        f"needs {best.estimated_gib:.2f} GiB; give a larger --gpu-gib"
+    )
+
+
 def format_fit(system: str, gpu_gib: float, results: list[FitResult]) -> str:
     lines = [f"{system}: largest batch whose estimated training-step peak fits {gpu_gib:g} GiB"]
     lines.append(f"{'variant':<14} {'checkpointing':<13} {'batch':>6} {'peak GiB':>9} {'next GiB':>9}")

@@ -401,8 +401,31 @@ def fake_mode() -> Iterator[Any]:
     """FakeTensorMode on the CPU device: shapes, dtypes and allocations without storage or compute."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        yield mode
+    # copy.deepcopy of a FakeTensor (nn.TransformerEncoder clones its layer this way) lands in a new fake mode
+    # that the optimizer step then refuses to mix with ours: clone in the current mode instead.
+    old = FakeTensor.__dict__.get("__deepcopy__")
+    FakeTensor.__deepcopy__ = _fake_deepcopy  # type: ignore[method-assign]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            yield mode
+    finally:
+        if old is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = old  # type: ignore[method-assign]
+
+
+def _fake_deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
+    if id(self) in memo:
+        return memo[id(self)]
+    with torch.no_grad():
+        out = self.clone()
+    if isinstance(self, nn.Parameter):
+        out = nn.Parameter(out, self.requires_grad)
+    else:
+        out.requires_grad_(self.requires_grad)
+    memo[id(self)] = out
+    return out
 
 
 def estimate_training_step(
