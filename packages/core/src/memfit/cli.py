@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from memfit.estimate import add_parser as estimate_parser
 from memfit.system import BudgetEntry, available_systems, load_system
 
 # ----------------------------------------------------------------------------------------------------
@@ -174,7 +175,7 @@ def _budget(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from memfit.fit import fit_system, format_fit
+    from memfit.fit import fit_system, format_fit, nothing_fits
 
     if args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
@@ -182,6 +183,9 @@ def _fit(args: argparse.Namespace) -> int:
     if args.gpu_gib <= 0:
         raise SystemExit(f"error: --gpu-gib must be positive, got {args.gpu_gib}")
     results = fit_system(args.system, args.gpu_gib, args.max_batch, args.variant)
+    if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
+        print(message, file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:
@@ -221,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch", type=int, default=4096)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_fit)
+    estimate_parser(sub)
     p = sub.add_parser(
         "run", help="a system's extra command, e.g. `memfit run mbsnet-speech enhance IN --out DIR`"
     )

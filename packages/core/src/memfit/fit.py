@@ -21,8 +21,10 @@ class FitResult:
 def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch: int = 4096) -> tuple:
     """Largest b in [1, max_batch] with peak_gib(b) <= limit_gib, assuming the peak grows with b.
 
-    Doubling then bisection: about 2·log2(b) estimates. Returns (b, gib at b, gib at the first b that
-    failed or None, number of estimates).
+    The peak of a training step is close to linear in the batch, so each probe is the batch where the line
+    through the two nearest probes crosses the limit (a few estimates when it is linear), with a doubling
+    or bisection step whenever two probes in a row land on the same side (never more than about
+    2·log2(b) estimates). Returns (b, gib at b, gib at b + 1 or None when max_batch fits, estimates).
     """
     cache: dict[int, float] = {}
 
@@ -33,19 +35,35 @@ def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch:
 
     if peak(1) > limit_gib:
         return 0, cache[1], cache[1], len(cache)
-    lo, hi = 1, 2
-    while hi <= max_batch and peak(hi) <= limit_gib:
-        lo, hi = hi, hi * 2
-    if hi > max_batch:
-        if peak(max_batch) <= limit_gib:
-            return max_batch, cache[max_batch], None, len(cache)
-        hi = max_batch
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if peak(mid) <= limit_gib:
-            lo = mid
+    lo, hi = 1, None  # lo fits; hi (when known) does not
+    sides: list[bool] = []
+    bisect = False
+    while hi is None or hi - lo > 1:
+        cap = max_batch if hi is None else hi - 1
+        if lo >= cap:
+            break
+        if hi is not None and len(sides) >= 2 and sides[-1] == sides[-2]:
+            bisect = True  # the line keeps landing on one side: bisection from here on
+        if bisect and hi is not None:
+            guess = (lo + hi) // 2
+        elif hi is None and len(sides) >= 3 and all(sides[-3:]):
+            guess = lo * 2  # safeguard: doubling
         else:
-            hi = mid
+            other = hi if hi is not None else (max(b for b in cache if b < lo) if len(cache) > 1 else None)
+            if other is None:
+                guess = lo * 2
+            else:
+                slope = (cache[other] - cache[lo]) / (other - lo)
+                guess = lo * 2 if slope <= 0 else lo + int((limit_gib - cache[lo]) / slope)
+        guess = max(lo + 1, min(guess, cap))
+        fits = peak(guess) <= limit_gib
+        sides.append(fits)
+        if fits:
+            lo = guess
+        else:
+            hi = guess
+    if hi is None:
+        return lo, cache[lo], None, len(cache)
     return lo, cache[lo], cache[hi], len(cache)
 
 
@@ -68,6 +86,18 @@ def fit_system(system: str, gpu_gib: float, max_batch: int = 4096, variants: lis
             )
             results.append(FitResult(entry.variant, ckpt, b, gib, nxt, probes))
     return results
+
+
+def nothing_fits(system: str, gpu_gib: float, results: list[FitResult]) -> str | None:
+    """One `error:` line when not even batch 1 of any variant fits (with or without checkpointing)."""
+    if not results or any(r.batch > 0 for r in results):
+        return None
+    best = min(results, key=lambda r: r.estimated_gib)
+    ckpt = " with checkpointing" if best.checkpointing else ""
+    return (
+        f"error: nothing fits {gpu_gib:g} GiB: the smallest {system} step, {best.variant}{ckpt} at batch 1, "
+        f"needs {best.estimated_gib:.2f} GiB; give a larger --gpu-gib"
+    )
 
 
 def format_fit(system: str, gpu_gib: float, results: list[FitResult]) -> str:

@@ -8,8 +8,10 @@ Two tools that answer the same question by different means, so each can check th
 * ``estimate_training_step()`` builds the model, runs forward, loss, backward and the optimizer step
   twice (the second step is the steady state, with optimizer state present) under ``FakeTensorMode`` on
   the CPU device. No real compute or memory is used, so a paper-size step is estimated on a laptop. The
-  accounting is PyTorch's own ``MemTracker``, which splits the peak into parameters, gradients,
-  optimizer state and activations/temporaries, and per top-level module.
+  accounting is our own storage tracker (``_StorageTracker`` below, the one the CPU measurement uses):
+  it splits the peak into parameters, gradients, optimizer state and activations/temporaries, and per
+  top-level module. PyTorch's ``MemTracker`` is an independent check in the tests (they agree within
+  5%). ``memfit.estimate`` adds the op, module path and shape of every tensor alive at the peak.
 
 Both take the same ``TrainStep`` so calibration tests can compare them directly.
 """
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensor, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -42,10 +44,25 @@ def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 @dataclass
 class TrainStep:
-    """Everything needed to run (or fake) one training step.
+    """Everything needed to run (or fake) one training step; what ``memfit estimate file.py:func`` wants.
 
-    build_model() -> nn.Module on the current default device; make_batch(device) -> any batch;
-    loss(model, batch) -> scalar tensor; optimizer(params) -> Optimizer; amp_dtype: autocast dtype or None.
+    - ``build_model()`` -> the ``nn.Module``, built on the current default device (do not pass a device:
+      the estimator builds it under ``FakeTensorMode``, the measurement on the real device);
+    - ``make_batch(device)`` -> any batch (tensors, tuples, dicts) made on ``device``;
+    - ``loss(model, batch)`` -> a scalar tensor; it runs under autocast when ``amp_dtype`` is set;
+    - ``optimizer(params)`` -> an ``Optimizer`` (default: fused AdamW);
+    - ``amp_dtype``: the autocast dtype (default bf16) or None for full precision.
+
+    A step is: ``loss(model, make_batch(device)).backward(); opt.step(); opt.zero_grad(set_to_none=True)``.
+    Example::
+
+        def step(batch: int = 32) -> TrainStep:   # a `batch` keyword lets `--gpu-gib` / `--scale` vary it
+            return TrainStep(
+                build_model=lambda: torchvision.models.resnet18(),
+                make_batch=lambda d: (torch.randn(batch, 3, 224, 224, device=d),
+                                      torch.randint(0, 1000, (batch,), device=d)),
+                loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]),
+            )
     """
 
     build_model: Callable[[], nn.Module]
@@ -110,12 +127,15 @@ class _StorageTracker(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.category = "activations"  # category of new storages: set by the phase of the step
+        self.phase = "build"  # build | input | forward | backward (memfit.estimate labels storages by it)
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_by_category = dict(self.by_category)
         self._entries = WeakIdKeyDictionary()  # storage -> [nbytes, category]
 
     def _storage(self, t: torch.Tensor):
-        if t.is_sparse or getattr(t, "is_nested", False) or is_fake(t) != self.fake:
+        cls = type(t)
+        fake = True if cls is FakeTensor else (False if cls is torch.Tensor else is_fake(t))
+        if fake != self.fake or t.layout is not torch.strided or t.is_nested:
             return None
         if not self.fake and t.device.type != "cpu":
             return None
@@ -135,36 +155,69 @@ class _StorageTracker(TorchDispatchMode):
                 self.by_category[category] += entry[0]
                 entry[1] = category
             return
-        entry = [st.nbytes(), category or self.category]
+        entry = self._new_entry(st, t, category or self.category)
         self._entries[st] = entry
         self.live += entry[0]
         self.by_category[entry[1]] += entry[0]
         if self.live > self.peak:
             self.peak = self.live
             self.peak_by_category = dict(self.by_category)
+            self._on_peak()
         weakref.finalize(st, self._free, entry)
+
+    # Extension points (memfit.estimate records what made each storage): an entry is [nbytes, category, ...].
+    def _new_entry(self, st, t: torch.Tensor, category: str) -> list:
+        return [st.nbytes(), category]
+
+    def _on_peak(self) -> None:
+        pass
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Entered around each forward + loss (memfit.estimate marks the tensors saved for backward)."""
+        return contextlib.nullcontext()
+
+    def instrument(self, model: nn.Module) -> list:
+        """Hooks on the freshly built model; returns their handles."""
+        return []
 
     def _free(self, entry: list) -> None:
         self.live -= entry[0]
         self.by_category[entry[1]] -= entry[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        out = func(*args, **(kwargs or {}))
+        outs = _tensors(out)
         if not outs:
             return out
         # A view (or in-place result) shares an input's storage: nothing new was allocated, even when that
         # input was made before the tracker started and so is not counted.
         shared = set()
-        for t in tree_flatten((args, kwargs))[0]:
-            if isinstance(t, torch.Tensor) and (st := self._storage(t)) is not None:
+        for t in _tensors(args) + (_tensors(list(kwargs.values())) if kwargs else []):
+            if (st := self._storage(t)) is not None:
                 shared.add(id(st))
         for t in outs:
             st = self._storage(t)
             if st is not None and id(st) not in shared:
                 self.track(t)
         return out
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or result: a tensor, or lists/tuples of them (a fast tree_flatten:
+    this runs for every op of a traced step)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        out = []
+        for a in x:
+            if isinstance(a, torch.Tensor):
+                out.append(a)
+            elif isinstance(a, (list, tuple, dict)):
+                out += _tensors(a)
+        return out
+    if isinstance(x, dict):
+        return _tensors(list(x.values()))
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
 
 
 class PeakMemory:
@@ -240,9 +293,35 @@ def _run_step(step: TrainStep, model: nn.Module, opt: torch.optim.Optimizer, dev
     opt.zero_grad(set_to_none=True)
 
 
-def _tracked_steps(step: TrainStep, steps: int, fake: bool, device: torch.device) -> MemoryReport:
-    """Build the model and run `steps` training steps under a _StorageTracker (real or fake tensors)."""
-    tracker = _StorageTracker(fake=fake)
+def _prime_optimizer(model: nn.Module, opt: torch.optim.Optimizer, tracker: _StorageTracker) -> bool:
+    """Create the optimizer state the first step would create, without running that step's forward and
+    backward: zero gradients, one optimizer step, gradients freed. The next step is then the steady state
+    (its peak is the peak of two full steps: the first step's forward and backward run without the state,
+    its optimizer step holds the same params, grads and state as the second's). False when a parameter is
+    still uninitialised (lazy modules need a real first forward)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in params):
+        return False
+    tracker.category = "grads"
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    tracker.category = "optimizer"
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return True
+
+
+def _tracked_steps(
+    step: TrainStep,
+    steps: int,
+    fake: bool,
+    device: torch.device,
+    tracker: _StorageTracker | None = None,
+    prime: bool = False,
+) -> MemoryReport:
+    """Build the model and run `steps` training steps under a _StorageTracker (real or fake tensors).
+    prime: the first step is replaced by `_prime_optimizer` (same peak, half the work)."""
+    tracker = tracker or _StorageTracker(fake=fake)
     retained: dict[str, int] = {}
 
     def before(name):
@@ -262,7 +341,7 @@ def _tracked_steps(step: TrainStep, steps: int, fake: bool, device: torch.device
         tracker.category = "params"
         model = step.build_model()
         opt = step.optimizer(model.parameters())
-        handles = []
+        handles = tracker.instrument(model)
         for name, child in model.named_children():
             handles.append(child.register_forward_pre_hook(before(name)))
             handles.append(child.register_forward_hook(after(name)))
@@ -271,10 +350,12 @@ def _tracked_steps(step: TrainStep, steps: int, fake: bool, device: torch.device
                 handles.append(p.register_post_accumulate_grad_hook(lambda p: tracker.track(p.grad, "grads")))
         for t in [*model.parameters(), *model.buffers()]:
             tracker.track(t, "params")
+        if prime and steps > 1 and _prime_optimizer(model, opt, tracker):
+            steps -= 1
         for _ in range(steps):
+            tracker.category, tracker.phase = "activations", "input"
             batch = step.make_batch(device)
-            tracker.category = "activations"
-            with _autocast(step, device):
+            with _autocast(step, device), tracker.forward_context():
                 loss = step.loss(model, batch)
             loss.backward()
             del loss
@@ -320,19 +401,48 @@ def fake_mode() -> Iterator[Any]:
     """FakeTensorMode on the CPU device: shapes, dtypes and allocations without storage or compute."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        yield mode
+    # copy.deepcopy of a FakeTensor (nn.TransformerEncoder clones its layer this way) lands in a new fake mode
+    # that the optimizer step then refuses to mix with ours: clone in the current mode instead.
+    old = FakeTensor.__dict__.get("__deepcopy__")
+    FakeTensor.__deepcopy__ = _fake_deepcopy  # type: ignore[method-assign]
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            yield mode
+    finally:
+        if old is None:
+            del FakeTensor.__deepcopy__
+        else:
+            FakeTensor.__deepcopy__ = old  # type: ignore[method-assign]
 
 
-def estimate_training_step(step: TrainStep, steps: int = 2) -> MemoryReport:
+def _fake_deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
+    if id(self) in memo:
+        return memo[id(self)]
+    with torch.no_grad():
+        out = self.clone()
+    if isinstance(self, nn.Parameter):
+        out = nn.Parameter(out, self.requires_grad)
+    else:
+        out.requires_grad_(self.requires_grad)
+    memo[id(self)] = out
+    return out
+
+
+def estimate_training_step(
+    step: TrainStep, steps: int = 2, tracker: _StorageTracker | None = None, prime: bool = True
+) -> MemoryReport:
     """Estimate the peak of model build + ``steps`` training steps at full size, with fake tensors on CPU.
 
     The step runs as usual on FakeTensors (SDPA, custom autograd Functions and ``torch.utils.checkpoint``
     included), so every allocation happens with its real size but no storage and no compute. Two steps by
     default: the first allocates optimizer state lazily, the second is the steady state a run repeats.
+    With ``prime`` (default) the first step's forward and backward are skipped and the optimizer state is
+    made directly (``_prime_optimizer``): the same peak in half the time.
     ``by_module`` holds, per top-level module, the bytes its forward leaves alive (saved for backward).
     """
     with fake_mode():
-        report = _tracked_steps(step, steps, fake=True, device=torch.device("cpu"))
+        report = _tracked_steps(
+            step, steps, fake=True, device=torch.device("cpu"), tracker=tracker, prime=prime
+        )
     report.method = "estimated (FakeTensorMode on CPU)"
     return report

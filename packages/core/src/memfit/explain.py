@@ -1,0 +1,415 @@
+"""`memfit estimate --explain / --scale / --gpu-gib`: what-ifs on one traced step, and the largest batch.
+
+What-ifs (each a row with its saving against the step as given):
+
+- **bf16 autocast**: the step re-traced with ``amp_dtype=bfloat16`` (skipped when it already uses it).
+- **activation checkpointing per block**: blocks are found automatically as the repeated children of an
+  ``nn.ModuleList`` / ``nn.Sequential`` (children of one class, at least two, that have submodules; the
+  outermost such level); each block's forward is wrapped in ``torch.utils.checkpoint`` (non-reentrant)
+  and the step re-traced.
+- **SDPA in place of softmax(QKᵀ)V**: no new trace. An attention is a ``softmax`` whose input comes, through
+  at most four elementwise ops (scale, mask, cast), from a batched matmul (``bmm``/``baddbmm``). Every
+  activation with that score shape (same element count, same last two dimensions: the scores, the scaled
+  and masked copies, the probabilities, their casts and dropout masks, and their gradients in backward) is
+  removed from the traced timeline, and each attention instead keeps SDPA's fp32 log-sum-exp, (..., Lq),
+  for as long as its softmax lived. The peak of that replayed timeline is the prediction.
+- **batch halved**: re-traced at half the batch (needs a ``batch`` knob).
+
+``scaling()`` re-traces at 1x, 2x and 4x of a knob and fits the exponent of activation memory; above 1.3 it
+names the op whose tensors grow fastest. ``fit_batch()`` is the largest batch under a GPU size, per rank
+for DDP (each rank holds everything, plus DDP's gradient buckets: one more copy of the gradients) or FSDP
+(parameters, gradients and optimizer state divided by the ranks, plus two gathered blocks' parameters:
+the one computing and the one prefetched).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from memfit.estimate import (
+    BORN,
+    CAT,
+    FREED,
+    OP,
+    SHAPE,
+    SRC,
+    BadInput,
+    Target,
+    Trace,
+    fmt_bytes,
+    log2_fit,
+    trace_step,
+    trace_target,
+)
+from memfit.fit import largest_batch
+from memfit.memory import GIB, TrainStep
+
+MATMULS = {"bmm", "baddbmm"}  # batched: attention scores; a classifier's addmm -> log_softmax is not one
+
+
+# ----------------------------------------------------------------------------------------------------
+# Blocks and checkpointing
+# ----------------------------------------------------------------------------------------------------
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Repeated children of a ModuleList/Sequential (same class, >= 2, with submodules), outermost level."""
+    blocks: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, mod: nn.Module) -> None:
+        kids = list(mod.named_children())
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            counts = Counter(type(c) for _, c in kids)
+            repeated = [(n, c) for n, c in kids if counts[type(c)] >= 2 and any(True for _ in c.children())]
+            if repeated:
+                blocks.extend((prefix + n, c) for n, c in repeated)
+                kids = [(n, c) for n, c in kids if (n, c) not in repeated]
+        for n, c in kids:
+            visit(prefix + n + ".", c)
+
+    visit("", model)
+    return blocks
+
+
+def checkpointed(step: TrainStep) -> TrainStep:
+    """The same step with every automatically found block run under non-reentrant checkpointing."""
+
+    def build():
+        model = step.build_model()
+        for _, block in find_blocks(model):
+            block.forward = partial(checkpoint, block.forward, use_reentrant=False)
+        return model
+
+    return replace(step, build_model=build)
+
+
+def block_param_bytes(step: TrainStep) -> tuple[int, int]:
+    """(largest block's parameter bytes, number of blocks), built on the meta device (no memory)."""
+    try:
+        with torch.device("meta"):
+            model = step.build_model()
+    except Exception:  # a model that cannot be built on meta: look for blocks under fake tensors instead
+        from memfit.memory import fake_mode
+
+        with fake_mode():
+            model = step.build_model()
+    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in find_blocks(model)]
+    if not sizes:
+        return sum(p.numel() * p.element_size() for p in model.parameters()), 0
+    return max(sizes), len(sizes)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention found in the graph
+# ----------------------------------------------------------------------------------------------------
+
+
+def attention_softmaxes(trace: Trace, hops: int = 4) -> list[list]:
+    """Forward softmax records whose input comes from a matmul within `hops` ops: materialised attention."""
+    found = []
+    for r in trace.records:
+        if r[OP] != "softmax" or len(r[SHAPE]) < 3 or r[SHAPE][-1] < 2:
+            continue
+        src = r[SRC]
+        for _ in range(hops):
+            if src is None:
+                break
+            if src[OP] in MATMULS:
+                found.append(r)
+                break
+            src = src[SRC]
+    return found
+
+
+def sdpa_replay(trace: Trace) -> tuple[int, int, list[tuple]] | None:
+    """Peak when every materialised attention is SDPA instead; None if the graph shows none.
+    Returns (peak bytes, attention count, [(score shape, dtype name)])."""
+    soft = attention_softmaxes(trace)
+    if not soft:
+        return None
+    keys = {(math.prod(r[SHAPE]), r[SHAPE][-2], r[SHAPE][-1]) for r in soft}
+
+    def is_score(r: list) -> bool:
+        s = r[SHAPE]
+        return r[CAT] == "activations" and len(s) >= 2 and (math.prod(s), s[-2], s[-1]) in keys
+
+    end = max(r[FREED] or r[BORN] for r in trace.records) + 1
+    lse = [(math.prod(r[SHAPE]) // r[SHAPE][-1] * 4, r[BORN], r[FREED] or end) for r in soft]
+    peak, _ = trace.replay(drop=is_score, add=lse)
+    shapes = sorted({r[SHAPE] for r in soft})
+    return peak, len(soft), shapes
+
+
+# ----------------------------------------------------------------------------------------------------
+# What-ifs
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class WhatIf:
+    name: str
+    peak_bytes: int | None  # None: not applicable (see note)
+    note: str = ""
+
+    def saving(self, base: int) -> int:
+        return 0 if self.peak_bytes is None else base - self.peak_bytes
+
+    def to_dict(self, base: int) -> dict[str, Any]:
+        return {
+            "what_if": self.name,
+            "peak_gib": None if self.peak_bytes is None else self.peak_bytes / GIB,
+            "saving_gib": self.saving(base) / GIB,
+            "saving_fraction": self.saving(base) / base if base else 0.0,
+            "note": self.note,
+        }
+
+
+def _retrace(step: TrainStep) -> int | str:
+    try:
+        return trace_step(step).report.peak_bytes
+    except Exception as exc:  # a what-if the model does not support is a row, not a crash
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+
+
+def what_ifs(target: Target, trace: Trace) -> list[WhatIf]:
+    step = target.step()
+    rows = []
+    sd = sdpa_replay(trace)
+    if sd is None:
+        rows.append(WhatIf("SDPA in place of softmax(QK^T)V", None, "no materialised attention in the graph"))
+    else:
+        peak, n, shapes = sd
+        rows.append(
+            WhatIf(
+                "SDPA in place of softmax(QK^T)V",
+                peak,
+                f"{n} softmax(QK^T) of shape {', '.join(map(str, shapes[:3]))} (cross-attention to "
+                "fewer keys or a feed-forward block would also remove them)",
+            )
+        )
+    if step.amp_dtype is None:
+        got = _retrace(replace(step, amp_dtype=torch.bfloat16))
+        rows.append(
+            WhatIf(
+                "bf16 autocast", got if isinstance(got, int) else None, "" if isinstance(got, int) else got
+            )
+        )
+    else:
+        rows.append(WhatIf("bf16 autocast", None, f"already autocast to {step.amp_dtype}"))
+    nblocks = block_param_bytes(step)[1]
+    if nblocks:
+        got = _retrace(checkpointed(step))
+        rows.append(
+            WhatIf(
+                f"checkpoint each of {nblocks} blocks",
+                got if isinstance(got, int) else None,
+                "blocks: repeated children of a ModuleList/Sequential" if isinstance(got, int) else got,
+            )
+        )
+    else:
+        rows.append(WhatIf("checkpoint each block", None, "no repeated blocks (ModuleList/Sequential) found"))
+    if "batch" in target.knobs and target.knobs["batch"] >= 2:
+        b = target.knobs["batch"] // 2
+        got = _retrace(target.step(batch=b))
+        rows.append(
+            WhatIf(
+                f"batch halved ({b})",
+                got if isinstance(got, int) else None,
+                "" if isinstance(got, int) else got,
+            )
+        )
+    else:
+        rows.append(WhatIf("batch halved", None, "no batch knob"))
+    return rows
+
+
+def recommend(base: int, rows: list[WhatIf]) -> WhatIf | None:
+    """The fix to try first. A materialised attention that holds >= 10% of the peak comes first even when
+    checkpointing would save more: SDPA removes it at no extra compute (checkpointing adds a forward).
+    Otherwise the row with the largest saving."""
+    useful = [w for w in rows if w.peak_bytes is not None and w.saving(base) > 0]
+    sdpa = [w for w in useful if w.name.startswith("SDPA") and w.saving(base) >= 0.1 * base]
+    if sdpa:
+        return sdpa[0]
+    return max(useful, key=lambda w: w.saving(base), default=None)
+
+
+def format_what_ifs(base: int, rows: list[WhatIf]) -> str:
+    lines = ["What-ifs (the same step re-estimated; largest saving first):"]
+    lines.append(f"  {'what-if':<34} {'peak':>10} {'saving':>10} {'':>6}  note")
+    ordered = sorted(rows, key=lambda w: (w.peak_bytes is None, -w.saving(base)))
+    for w in ordered:
+        if w.peak_bytes is None:
+            lines.append(f"  {w.name:<34} {'-':>10} {'-':>10} {'':>6}  {w.note}")
+        else:
+            pct = 100 * w.saving(base) / base if base else 0
+            lines.append(
+                f"  {w.name:<34} {fmt_bytes(w.peak_bytes):>10} {fmt_bytes(w.saving(base)):>10} "
+                f"{pct:5.1f}%  {w.note}"
+            )
+    best = recommend(base, rows)
+    if best is not None:
+        lines.append(
+            f"Try first: {best.name} (-{fmt_bytes(best.saving(base))}, peak {fmt_bytes(best.peak_bytes)})"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scaling
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Scaling:
+    knob: str
+    sizes: list[int]
+    activations: list[int]
+    exponent: float
+    culprit: dict[str, Any] | None  # the op whose tensors grow fastest, when exponent > 1.3
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "knob": self.knob,
+            "sizes": self.sizes,
+            "activation_bytes": self.activations,
+            "exponent": self.exponent,
+            "culprit": self.culprit,
+        }
+
+    def format(self) -> str:
+        pts = ", ".join(f"{s}: {fmt_bytes(a)}" for s, a in zip(self.sizes, self.activations))
+        line = f"Scaling of activations with {self.knob} ({pts}): exponent {self.exponent:.2f}"
+        if self.culprit:
+            c = self.culprit
+            line += (
+                f"\n  SUPER-LINEAR (> 1.3): `{c['op']}` in `{c['module']}` grows with exponent "
+                f"{c['exponent']:.2f} ({fmt_bytes(c['bytes'][0])} -> {fmt_bytes(c['bytes'][-1])}, "
+                f"shape {tuple(c['shape'])} at {self.sizes[-1]})"
+            )
+        return line
+
+
+def scaling(target: Target, knob: str, base_trace: Trace | None = None, factors=(1, 2, 4)) -> Scaling:
+    if knob not in target.knobs:
+        names = ", ".join(target.knobs) or "none"
+        raise BadInput(f"--scale {knob!r} is not a knob of this target; its knobs: {names}")
+    base = target.knobs[knob]
+    sizes = [base * f for f in factors]
+    traces = [
+        base_trace if (f == 1 and base_trace is not None) else trace_target(target, **{knob: s})
+        for f, s in zip(factors, sizes)
+    ]
+    acts = [t.activations_at_peak() for t in traces]
+    k = log2_fit(sizes, acts)
+    culprit = None
+    if k > 1.3:
+        per_key = []
+        for t in (traces[0], traces[-1]):
+            totals: dict[tuple, list] = {}
+            for g in t.groups():
+                e = totals.setdefault((g.op, g.module), [0, g.shape])
+                e[0] += g.total
+            per_key.append(totals)
+        best = None
+        for key, (b4, shape) in per_key[1].items():
+            b1 = per_key[0].get(key, [0])[0]
+            if b1 <= 0:
+                continue
+            grow = b4 - b1
+            if best is None or grow > best[0]:
+                best = (grow, key, b1, b4, shape)
+        if best is not None:
+            _, (op, module), b1, b4, shape = best
+            culprit = {
+                "op": op,
+                "module": module,
+                "shape": list(shape),
+                "bytes": [b1, b4],
+                "exponent": math.log(b4 / b1) / math.log(sizes[-1] / sizes[0]),
+            }
+    return Scaling(knob, sizes, acts, k, culprit)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Largest batch on a GPU, per rank
+# ----------------------------------------------------------------------------------------------------
+
+
+def per_rank_bytes(trace: Trace, ranks: int, shard: str, gather_bytes: int) -> int:
+    cats = trace.report.by_category
+    peak = trace.report.peak_bytes
+    if ranks <= 1 or shard == "none":
+        return peak
+    if shard == "ddp":
+        return peak + cats.get("params", 0)  # gradient buckets: one more copy of the gradients
+    state = cats.get("params", 0) + cats.get("grads", 0) + cats.get("optimizer", 0)
+    return peak - state + math.ceil(state / ranks) + 2 * gather_bytes
+
+
+@dataclass
+class BatchFit:
+    gpu_gib: float
+    margin: float
+    ranks: int
+    shard: str
+    batch: int
+    peak_bytes: int  # per rank at `batch` (at batch 1 when nothing fits)
+    next_bytes: int | None
+    probes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu_gib": self.gpu_gib,
+            "margin": self.margin,
+            "ranks": self.ranks,
+            "shard": self.shard,
+            "batch": self.batch,
+            "peak_gib_per_rank": self.peak_bytes / GIB,
+            "next_gib_per_rank": None if self.next_bytes is None else self.next_bytes / GIB,
+            "probes": self.probes,
+        }
+
+    def format(self) -> str:
+        usable = self.gpu_gib * (1 - self.margin)
+        where = f"{self.gpu_gib:g} GiB GPU ({100 * self.margin:g}% allocator margin: {usable:.2f} GiB usable)"
+        if self.ranks > 1:
+            where += f" x {self.ranks} ranks ({self.shard}, per rank)"
+        nxt = ""
+        if self.next_bytes is not None:
+            nxt = f"; batch {self.batch + 1} needs {fmt_bytes(self.next_bytes)}"
+        return f"Largest batch that fits a {where}: {self.batch} ({fmt_bytes(self.peak_bytes)}{nxt})"
+
+
+def fit_batch(
+    target: Target,
+    gpu_gib: float,
+    margin: float = 0.1,
+    ranks: int = 1,
+    shard: str = "ddp",
+    max_batch: int = 4096,
+    base_trace: Trace | None = None,
+) -> BatchFit:
+    if "batch" not in target.knobs:
+        raise BadInput(
+            "--gpu-gib needs a batch knob: give your function a `batch` keyword argument, "
+            "e.g. def step(batch: int = 32) -> TrainStep"
+        )
+    gather = block_param_bytes(target.step())[0] if shard == "fsdp" and ranks > 1 else 0
+    base_b = target.knobs["batch"]
+
+    def peak_gib(b: int) -> float:
+        t = base_trace if (b == base_b and base_trace is not None) else trace_target(target, batch=b)
+        return per_rank_bytes(t, ranks, shard, gather) / GIB
+
+    b, gib, nxt, probes = largest_batch(peak_gib, gpu_gib * (1 - margin), max_batch)
+    nxt_bytes = None if nxt is None else round(nxt * GIB)
+    return BatchFit(gpu_gib, margin, ranks, shard, b, round(gib * GIB), nxt_bytes, probes)
