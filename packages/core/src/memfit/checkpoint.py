@@ -13,6 +13,7 @@ import torch
 
 CKPT_PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
 BEST_NAME = "best.pt"
+CHECKPOINT_FORMAT = 1  # version of the checkpoint schema: format, system, step, model, optimizer, rng, ...
 
 
 def _rng_state() -> dict[str, Any]:
@@ -55,11 +56,15 @@ def write_atomic(path: Path, state: dict[str, Any]) -> Path:
     """torch.save to path atomically: a temp file, fsync, rename (readers never see half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half
+    except BaseException:  # full disk, Ctrl-C, ...: leave no half-written temp file behind
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

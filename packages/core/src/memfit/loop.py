@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -28,17 +30,21 @@ from torch import nn
 
 from memfit.checkpoint import (
     BEST_NAME,
+    CHECKPOINT_FORMAT,
     _rng_state,
     _set_rng_state,
-    latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     save_checkpoint,
     write_atomic,
 )
+from memfit.config import config_dict, config_difference
 from memfit.distributed import init_distributed, resolve_device
+from memfit.errors import UsageError, os_error_message
 from memfit.flags import LoopConfig
 from memfit.memory import MIB, PeakMemory, training_state_tensors
 from memfit.metrics_log import MetricsLog
+from memfit.run_dir import RunFolder
 
 
 def set_seed(seed: int) -> None:
@@ -85,6 +91,9 @@ def autocast_context(amp: str, device: torch.device) -> contextlib.AbstractConte
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+STOP_NONE, STOP_TIME, STOP_SIGNAL = 0, 1, 2
+
+
 @dataclass
 class Trainer:
     """Runs `cfg.steps` optimizer steps of `loss_fn(model, get_batch(step, micro))`; see module docstring.
@@ -104,10 +113,12 @@ class Trainer:
     scheduler: Any = None
     eval_fn: Callable[[nn.Module], dict[str, float]] | None = None
     eval_every: int = 0
-    model_config: dict[str, Any] | None = None
+    config: Any = None  # the model config dataclass (or dict): checkpoint["config"], rebuilds the model
+    meta: dict[str, Any] | None = None  # what else eval needs to know (data, tokenizer, preset name...)
     items_per_step: int | None = None  # e.g. tokens per optimizer step, for throughput
     best_metric: str | None = None
     best_mode: str = "max"  # "max" | "min"
+    system: str | None = None  # the registered system name, saved in checkpoints and checked on resume
     step: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -119,13 +130,26 @@ class Trainer:
         self.device = resolve_device(self.cfg.device)
         self.dist = init_distributed(self.device)
         self.run_dir = Path(self.cfg.run_dir)
+        self.folder = RunFolder(self.run_dir)
+        if self.dist.is_main:  # refuse a used folder or a live trainer before anything is written
+            self.folder.open(self.cfg.resume, self.cfg.overwrite)
         self.raw_model = self.model  # what is saved; self.model may be wrapped (DDP, compile)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.amp == "fp16")
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=self.dist.is_main)
         self.peak_memory_bytes = 0
+        self._signal: int | None = None
         set_seed(self.cfg.seed + self.dist.rank)
-        if self.cfg.resume:
-            self._resume()
+        try:
+            if self.cfg.resume:
+                self._resume()
+            self.metrics = MetricsLog(
+                self.run_dir / "metrics.jsonl",
+                enabled=self.dist.is_main,
+                tensorboard=self.cfg.tensorboard,
+                purge_step=self.step + 1 if self.cfg.resume else None,
+            )
+        except BaseException:
+            self.folder.release()
+            raise
         if self.dist.world_size > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
@@ -135,13 +159,16 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
+            "format": CHECKPOINT_FORMAT,
+            "system": self.system,
             "step": self.step,
             "model": self.raw_model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict(),
             "rng": _rng_state(),
-            "model_config": self.model_config or {},
+            "config": config_dict(self.config),
+            "meta": self.meta or {},
             "loop_config": asdict(self.cfg),
             "best": {"metric": self.best_metric, "value": self.best_value, "step": self.best_step},
         }
@@ -149,18 +176,56 @@ class Trainer:
     def save(self) -> Path | None:
         if not self.dist.is_main:
             return None
-        return save_checkpoint(self.run_dir, self.step, self.state_dict(), self.cfg.keep_last)
+        try:
+            return save_checkpoint(self.run_dir, self.step, self.state_dict(), self.cfg.keep_last)
+        except OSError as e:
+            raise UsageError(
+                f"error: could not save the step-{self.step} checkpoint: {os_error_message(e)}"
+            ) from None
 
     def _resume(self) -> None:
-        path = latest_checkpoint(self.run_dir)
-        if path is None:
-            print(
-                f"[memfit] --resume: no checkpoint in {self.run_dir}; starting from step 0", file=sys.stderr
-            )
+        """Load the newest intact checkpoint of the run (saying which broken ones it skipped)."""
+        ckpts = list_checkpoints(self.run_dir)
+        if not ckpts:
+            if self.dist.is_main:
+                print(
+                    f"[memfit] --resume: no checkpoint in {self.run_dir}; starting from step 0",
+                    file=sys.stderr,
+                )
+                self.folder.truncate_metrics(0)
             return
-        state = load_checkpoint(path, map_location=self.device)
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        state, path = None, None
+        for candidate in reversed(ckpts):
+            try:
+                state, path = load_checkpoint(candidate, map_location=self.device), candidate
+                break
+            except ValueError as e:
+                if self.dist.is_main:
+                    print(
+                        f"[memfit] --resume: skipped unreadable {candidate.name} ({e})",
+                        file=sys.stderr,
+                    )
+        if state is None:
+            raise UsageError(
+                f"error: --resume: no intact checkpoint in {self.run_dir} (all {len(ckpts)} unreadable); "
+                "start again with --overwrite or another --run_name"
+            )
+        saved = state.get("system")
+        if self.system is not None and saved is not None and saved != self.system:
+            raise UsageError(
+                f"error: --resume: {path} is a {saved} checkpoint, not {self.system}; "
+                "use another --run_name for this system"
+            )
+        try:
+            self.raw_model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            diff = config_difference(state.get("config") or {}, config_dict(self.config))
+            why = f"differs in {diff}" if diff else str(e).strip().splitlines()[0][:160]
+            raise UsageError(
+                f"error: --resume: {path} was trained with another model config ({why}); "
+                "pass the same --config and size flags as that run, or use another --run_name"
+            ) from None
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -170,7 +235,9 @@ class Trainer:
         if best.get("metric") == self.best_metric and best.get("value") is not None:
             self.best_value, self.best_step = float(best["value"]), int(best["step"])
         if self.dist.is_main:
-            print(f"[memfit] resumed from {path} at step {self.step}", file=sys.stderr)
+            dropped = self.folder.truncate_metrics(self.step)
+            note = f"; dropped {dropped} metrics rows after it" if dropped else ""
+            print(f"[memfit] resumed from {path} at step {self.step}{note}", file=sys.stderr)
 
     # -- one optimizer step -----------------------------------------------------------------------
     def _train_step(self) -> tuple[float, dict[str, float]]:
@@ -209,7 +276,22 @@ class Trainer:
         return total, extra
 
     def fit(self) -> dict[str, Any]:
-        """Train to cfg.steps; returns the last metrics (with peak_memory_mib)."""
+        """Train to cfg.steps; returns the last metrics (with peak_memory_mib).
+
+        SIGINT/SIGTERM finish the current step, save a checkpoint and raise SystemExit(128 + signal);
+        --max_minutes stops the same way with status 0 (last["stopped_early"]).
+        """
+        old_handlers = self._catch_signals()
+        try:
+            return self._fit()
+        finally:
+            for signum, handler in old_handlers.items():
+                signal.signal(signum, handler)
+            self.metrics.close()
+            if self.dist.is_main:
+                self.folder.release()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -218,10 +300,10 @@ class Trainer:
         t_last, steps_since = time.perf_counter(), 0
         t_start = time.perf_counter()
         start_step = self.step
+        stop = STOP_NONE
         try:
             while self.step < cfg.steps:
-                if self.step > start_step and self._out_of_time(t_start):
-                    self.stopped_early = True
+                if self.step > start_step and (stop := self._stop_reason(t_start)):
                     break
                 measure = self.device.type == "cpu" and self.step - start_step < cfg.measure_memory_steps
                 if measure:
@@ -257,6 +339,17 @@ class Trainer:
                     self.save()
         finally:
             bar.close()
+        if stop == STOP_SIGNAL:
+            path = self.save()
+            signum = self._signal or signal.SIGINT
+            if self.dist.is_main:
+                print(
+                    f"[memfit] stopped by {signal.Signals(signum).name} at step {self.step} of {cfg.steps}; "
+                    f"saved {path}; continue with --resume",
+                    file=sys.stderr,
+                )
+            raise SystemExit(128 + signum)
+        self.stopped_early = stop == STOP_TIME
         if self.eval_fn is not None and (not self.eval_every or self.step % self.eval_every):
             self._evaluate(last)
         path = self.save()
@@ -278,16 +371,36 @@ class Trainer:
             self.metrics.write({"step": self.step, "peak_memory_mib": last["peak_memory_mib"]})
         return last
 
-    def _out_of_time(self, t_start: float) -> bool:
-        """Whether the --max_minutes budget is spent (every rank takes rank 0's decision)."""
-        if self.cfg.max_minutes is None:
-            return False
-        over = time.perf_counter() - t_start >= self.cfg.max_minutes * 60
+    def _catch_signals(self) -> dict[int, Any]:
+        """SIGINT/SIGTERM set a flag the loop reads after each step; a second one stops at once."""
+        self._signal = None
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._signal is not None:
+                raise KeyboardInterrupt
+            self._signal = signum
+            if self.dist.is_main:
+                print(
+                    f"\n[memfit] {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+                    "(send it again to stop at once)",
+                    file=sys.stderr,
+                )
+
+        return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _stop_reason(self, t_start: float) -> int:
+        """STOP_SIGNAL, STOP_TIME (--max_minutes spent) or STOP_NONE; every rank takes the same decision."""
+        reason = STOP_SIGNAL if self._signal is not None else STOP_NONE
+        minutes = self.cfg.max_minutes
+        if not reason and minutes is not None and time.perf_counter() - t_start >= minutes * 60:
+            reason = STOP_TIME
         if self.dist.world_size > 1 and dist.is_initialized():
-            flag = torch.tensor([float(over)], device=self.device if self.device.type == "cuda" else "cpu")
-            dist.broadcast(flag, src=0)
-            over = bool(flag.item())
-        return over
+            flag = torch.tensor([reason], device=self.device if self.device.type == "cuda" else "cpu")
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            reason = int(flag.item())
+        return reason
 
     def _improved(self, value: float) -> bool:
         if not math.isfinite(value):

@@ -16,7 +16,17 @@ from memfit.checkpoint import (
     write_atomic,
 )
 from memfit.distributed import DistInfo, dist_info, init_distributed, resolve_device
-from memfit.flags import LoopConfig, add_loop_args, loop_config_from_args
+from memfit.flags import (
+    LoopConfig,
+    add_eval_args,
+    add_loop_args,
+    add_model_args,
+    apply_threads,
+    check_numbers,
+    eval_out_dir,
+    hidden_alias,
+    loop_config_from_args,
+)
 from memfit.layers import checkpointed
 from memfit.loop import Trainer, autocast_context, set_seed, step_generator, warmup_cosine_lambda
 from memfit.metrics_log import MetricsLog
@@ -28,8 +38,14 @@ __all__ = [
     "LoopConfig",
     "MetricsLog",
     "Trainer",
+    "add_eval_args",
     "add_loop_args",
+    "add_model_args",
+    "apply_threads",
+    "eval_out_dir",
+    "hidden_alias",
     "autocast_context",
+    "check_numbers",
     "checkpointed",
     "dist_info",
     "find_checkpoint",
