@@ -173,3 +173,22 @@ def test_installed_alias_script_exits_zero_after_success(tmp_path):
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         "gpt2-train: error: --lr must be > 0, got 0"
     ]
+
+
+RESIZE = {
+    "ginr-cifar": ["--decoder_width", "32"],
+    "gpt2-window": ["--window", "3"],
+    "mbsnet-speech": ["--channels", "8"],
+}
+
+
+def test_resume_with_another_config_is_one_line(trained, runs, capsys):
+    system, run = trained
+    if system not in RESIZE:
+        pytest.skip("no small size flag to change (the paper preset is too big to build in a test)")
+    before = sorted(p.name for p in run.iterdir())
+    capsys.readouterr()
+    assert train(system, runs, "--resume", *RESIZE[system]) == 2
+    line = one_error_line(capsys)
+    assert "--resume" in line and ("another model config" in line or "different model" in line), line
+    assert sorted(p.name for p in run.iterdir()) == before
