@@ -59,7 +59,7 @@ def test_estimate_matches_measured_small_step(system, variant):
     )
 
 
-# What each naive baseline must show (DESIGN.md "Budgets"): the seeds' out-of-memory reproduced.
+# What each naive baseline must show (README "Memory budgets"): the seeds' out-of-memory reproduced.
 BASELINE_FLOOR_GIB = {("ginr-cifar", "attn"): 25.0, ("moremouse-triplane", "naive"): 36.0}
 
 

@@ -71,7 +71,7 @@ def bench_quality(data: Path, runs_dir: str, amp: str, model: str, seed: int) ->
         str(seed),
     ]
     argv[argv.index("tiny")] = model
-    argv += ["--amp", amp, "--save_every", "500", "--no_progress", "--log_every", "100"]
+    argv += ["--amp", amp, "--save_every", "500", "--no_progress", "--log_every", "100", "--overwrite"]
     t = time.perf_counter()
     result = train_run(argv)
     wall = time.perf_counter() - t

@@ -65,7 +65,7 @@ def build(tmp_path, steps, resume=False, amp="none", grad_accum=1, save_every=3)
         log_every=1,
         device="cpu",
     )
-    return Trainer(model, opt, loss_fn, make_batch, cfg, scheduler=sched, model_config={"width": 32})
+    return Trainer(model, opt, loss_fn, make_batch, cfg, scheduler=sched, config={"width": 32})
 
 
 def test_resume_after_interruption_gives_identical_weights(tmp_path):
@@ -83,7 +83,7 @@ def test_resume_after_interruption_gives_identical_weights(tmp_path):
     for a, b in zip(full.raw_model.parameters(), resumed.raw_model.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     state = load_checkpoint(tmp_path / "part")
-    assert state["step"] == 10 and state["model_config"] == {"width": 32}
+    assert state["step"] == 10 and state["config"] == {"width": 32} and state["format"] == 1
     # the learning-rate schedule continued too
     assert full.optimizer.param_groups[0]["lr"] == pytest.approx(resumed.optimizer.param_groups[0]["lr"])
 

@@ -48,10 +48,10 @@ def test_ginr_train_checkpoints_resume_exactly_and_eval(tmp_path, capsys):
         assert torch.equal(wa[k], wb[k]), k
 
     out = ginr_eval.main(["--run", str(run_a), "--num_images", "12", "--grid", "6", "--device", "cpu"])
-    saved = json.loads((run_a / "eval_holdout.json").read_text())
+    saved = json.loads((run_a / "eval" / "eval_holdout.json").read_text())
     assert saved["num_images"] == 12 and abs(saved["psnr"] - out["psnr"]) < 1e-9
     assert 0 < saved["psnr"] < 60 and saved["mean_colour_psnr"] > 0
-    with Image.open(run_a / "recon_holdout.png") as im:
+    with Image.open(run_a / "eval" / "recon_holdout.png") as im:
         # 2 rows (truth, reconstruction) x 6 images of 32x32 upscaled 4x, with 2-pixel padding
         assert im.size == (6 * (128 + 2) + 2, 2 * (128 + 2) + 2)
 
@@ -64,7 +64,7 @@ def test_ginr_train_on_shared_cifar_folder(tmp_path):
     )
     assert res["step"] == 2 and "eval/holdout_psnr" in res
     ckpt = load_checkpoint(tmp_path / "runs" / "ginr-cifar" / "cifar")
-    assert ckpt["model_config"]["ginr"]["decoder"] == "xattn" and ckpt["model_config"]["data"] == str(SHARED)
+    assert ckpt["config"]["decoder"] == "xattn" and ckpt["meta"]["data"] == str(SHARED)
 
 
 def test_ginr_profile_mode(tmp_path, capsys):
@@ -79,5 +79,5 @@ def test_ginr_cli_errors_are_clear(tmp_path):
         _train(tmp_path, "x", "--data", str(tmp_path / "empty"), "--steps", "1")
     with pytest.raises(SystemExit, match="num_sample_coords"):
         _train(tmp_path, "x", "--num_sample_coords", "5000", "--steps", "1")
-    with pytest.raises(SystemExit, match="no checkpoint|does not exist"):
+    with pytest.raises(SystemExit, match="no run .*nothing_here"):
         ginr_eval.main(["--run", str(tmp_path / "nothing_here"), "--device", "cpu"])

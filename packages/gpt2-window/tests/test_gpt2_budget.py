@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from gpt2_window.config import GPTConfig
@@ -63,7 +65,7 @@ def test_flex_block_mask_cache_stays_bounded_over_20_lengths():
         cfg = GPTConfig(block_size=64, vocab_size=50, n_layer=1, n_head=2, n_embd=32, window=8)
         torch.manual_seed(0)
         model = GPT(cfg).eval()
-        ref = GPT(GPTConfig.from_dict({**cfg.to_dict(), "attn_impl": "ref"})).eval()
+        ref = GPT(replace(cfg, attn_impl="ref")).eval()
         ref.load_state_dict(model.state_dict())
         seen = []
         with torch.no_grad(), A.force_backend("flex"):

@@ -52,7 +52,7 @@ def test_resume_is_exact(tmp_path):
     (run / "ckpt_0000006.pt").unlink()
     train_run([*args, "--resume"])
     resumed = torch.load(run / "ckpt_0000006.pt", weights_only=True)
-    assert resumed["model_config"]["gpt"]["window"] == [4, None]
+    assert resumed["config"]["window"] == [4, None]
     for k in straight:
         assert torch.equal(straight[k], resumed["model"][k]), k
 
@@ -72,8 +72,8 @@ def test_train_on_tinyshakespeare_and_sample(tmp_path):
     assert out["step"] == 4
     run = tmp_path / "gpt2-window" / "run"
     ckpt = torch.load(run / "ckpt_0000004.pt", weights_only=True)
-    assert ckpt["model_config"]["gpt"]["vocab_size"] == 65  # nanoGPT's shakespeare_char vocabulary
-    assert ckpt["model_config"]["gpt"]["window"] == 16
+    assert ckpt["config"]["vocab_size"] == 65  # nanoGPT's shakespeare_char vocabulary
+    assert ckpt["config"]["window"] == 16
     ev = eval_run(["--run", str(run), "--eval_iters", "2"])  # data path comes from the checkpoint
     assert "tinyshakespeare" in ev["data"]
     text = generate_run(["--run", str(run), "--prompt", "ROMEO:", "--max_new_tokens", "20"])[0]
@@ -86,7 +86,12 @@ def test_seed_flags_and_window_parsing():
     args = build_parser().parse_args(
         ["--model", "d12_window", "--sequence_length", "1024", "--batch_size", "4", "--num_iterations", "5"]
     )
-    assert (args.model, args.sequence_length, args.batch_size, args.steps) == ("d12_window", 1024, 4, 5)
+    assert (args.config, args.sequence_length, args.batch_size, args.steps) == (
+        "d12_window",
+        1024,
+        4,
+        5,
+    )  # --model is --config
     assert build_parser().parse_args(["--steps", "7"]).steps == 7
     assert build_parser().parse_args([]).steps == 2000
     assert parse_window("64") == 64 and parse_window("none") is None
@@ -99,7 +104,7 @@ def test_seed_flags_and_window_parsing():
         (["--model", "gpt5"], "invalid choice: 'gpt5'.*d12.*d12_window.*tiny.*nano"),
         (["--window", "0"], "window must be > 0"),
         (["--window", "-3"], "window must be > 0"),
-        (["--sequence_length", "33"], "longer than the context of --model nano.*<= 32"),
+        (["--sequence_length", "33"], "longer than the context of --config nano.*<= 32"),
         (["--data", "/nonexistent/input.txt"], "does not exist"),
         (["--window", "4,4,4"], "one window"),
     ],

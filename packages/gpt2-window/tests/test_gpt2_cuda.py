@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from gpt2_window.config import GPTConfig
@@ -20,7 +22,7 @@ def test_window_model_matches_reference_on_cuda():
     torch.manual_seed(0)
     with torch.device("cuda"):
         ours = GPT(cfg)
-        ref = GPT(GPTConfig.from_dict({**cfg.to_dict(), "attn_impl": "ref"}))
+        ref = GPT(replace(cfg, attn_impl="ref"))
     ref.load_state_dict(ours.state_dict())
     x = torch.randint(0, 101, (2, 256), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):

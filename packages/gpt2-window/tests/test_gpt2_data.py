@@ -116,10 +116,7 @@ def test_bad_data_raises_clear_errors(tmp_path):
 def test_bpe_without_tiktoken_says_so(tmp_path):
     path = tmp_path / "t.txt"
     path.write_text("some text " * 100)
-    with pytest.raises(ValueError, match="tiktoken is not installed.*--tokenizer char"):
-        load_data(path, "gpt2")
-    said = []
-    data = load_data(path, "auto", log=lambda *a, **k: said.append(a[0]))
-    assert data.tokenizer.kind == "char"
-    assert "tiktoken not available, using characters" in said[0]
-    assert "tiktoken not available, using characters" in data.note
+    for choice in ("gpt2", "auto"):  # no silent switch to characters
+        with pytest.raises(ValueError, match="tiktoken is not installed.*--extra bpe.*--tokenizer char"):
+            load_data(path, choice)
+    assert load_data(path, "char").tokenizer.kind == "char"  # characters when asked for

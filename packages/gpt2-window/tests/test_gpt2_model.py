@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
-from gpt2_window.config import GPTConfig, preset
-from gpt2_window.model import GPT, SeedMaskCache
+from gpt2_window.baselines import SeedMaskCache
+from gpt2_window.config import GPTConfig, get_config
+from gpt2_window.model import GPT
 
 
 def small(**kw) -> GPTConfig:
@@ -18,7 +21,7 @@ def twin(cfg: GPTConfig, **kw) -> tuple[GPT, GPT]:
     """GPT(cfg) and a copy with other settings (e.g. attn_impl="ref") holding the same weights."""
     torch.manual_seed(0)
     a = GPT(cfg)
-    b = GPT(GPTConfig.from_dict({**cfg.to_dict(), **kw}))
+    b = GPT(replace(cfg, **kw))
     b.load_state_dict(a.state_dict())
     return a, b
 
@@ -112,7 +115,7 @@ def test_seed_mask_cache_is_bounded_and_reports_bytes():
 
 def test_tied_embeddings_and_d12_parameter_count():
     with torch.device("meta"):
-        model = GPT(preset("d12"))
+        model = GPT(get_config("d12"))
     assert model.lm_head.weight is model.transformer.wte.weight
     # GPT-2 small: biases everywhere, vocab padded to 50304, 1024 positions, tied lm_head
     n = model.num_params()
@@ -131,7 +134,7 @@ def test_bad_configs_raise_clear_errors():
     with pytest.raises(ValueError, match="divisible"):
         small(n_head=5)
     with pytest.raises(ValueError, match="unknown model 'd13'.*d12, d12_window"):
-        preset("d13")
+        get_config("d13")
     model = GPT(small())
     with pytest.raises(ValueError, match="longer than the model's context"):
         model(torch.zeros(1, 97, dtype=torch.long))

@@ -2,8 +2,9 @@ import math
 
 import pytest
 import torch
+from mbsnet_speech.baselines import SeedMamba, materialising_scan
 from mbsnet_speech.config import band_widths, default_config, seed_config, tiny_config
-from mbsnet_speech.model import MBSNet, SeedMamba, count_params, materialising_scan, overlap_add_istft
+from mbsnet_speech.model import MBSNet, count_params, overlap_add_istft
 
 pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba block) is not installed yet")
 

@@ -33,15 +33,15 @@ def test_train_checkpoints_resumes_exactly_and_eval_writes_psnr_png(tmp_path):
     run = tmp_path / "moremouse-triplane"
     assert sorted(p.name for p in (run / "full").glob("ckpt_*.pt")) == ["ckpt_0000002.pt", "ckpt_0000004.pt"]
     full, cut = load_checkpoint(run / "full"), load_checkpoint(run / "cut")
-    assert full["step"] == cut["step"] == 4 and full["model_config"]["config"]["samples_per_ray"] == 16
+    assert full["step"] == cut["step"] == 4 and full["config"]["samples_per_ray"] == 16
     for k in full["model"]:
         torch.testing.assert_close(full["model"][k], cut["model"][k], msg=f"resumed run differs at {k}")
     assert (run / "full" / "metrics.jsonl").exists()
 
     res = mouse_eval.main(["--run", str(run / "full"), "--num_scenes", "2", "--device", "cpu"])
     assert res["views"] == 8 and 5.0 < res["psnr"] < 60.0 and -1.0 <= res["ssim"] <= 1.0
-    assert (run / "full" / "eval.png").stat().st_size > 0
-    assert json.loads((run / "full" / "eval.json").read_text())["psnr"] == pytest.approx(res["psnr"])
+    assert (run / "full" / "eval" / "eval.png").stat().st_size > 0
+    assert json.loads((run / "full" / "eval" / "eval.json").read_text())["psnr"] == pytest.approx(res["psnr"])
 
 
 def test_train_on_a_folder_of_renders_with_fp16_amp(tmp_path):

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from memfit.errors import run_command
 from memfit.estimate import add_parser as estimate_parser
 from memfit.system import BudgetEntry, available_systems, load_system
 
@@ -87,9 +88,9 @@ def _dispatch(kind: str, argv: list[str] | None) -> None:
     name, rest = pick_system(argv)
     system = load_system(name)
     sys.argv[0] = f"{name} {kind}"  # argparse's prog: `--help` says which system answered
-    result = getattr(system, kind)(rest)
-    if isinstance(result, int) and result:
-        raise SystemExit(result)
+    status = run_command(sys.argv[0], getattr(system, kind), rest)
+    if status:
+        raise SystemExit(status)
 
 
 def train_main(argv: list[str] | None = None) -> None:
@@ -108,7 +109,7 @@ def eval_main(argv: list[str] | None = None) -> None:
 
 
 def budget_rows(system: str | None = None) -> list[dict]:
-    """Estimate every registered (system, variant) paper-size step; one dict per row (see DESIGN.md)."""
+    """Estimate every registered (system, variant) paper-size step; one dict per row (`budget --json`)."""
     from memfit.memory import estimate_training_step
 
     names = sorted(available_systems()) if system is None else [system]
@@ -206,8 +207,7 @@ def _run_extra(args: argparse.Namespace) -> int:
         choices = ", ".join(sorted(system.extra_commands)) or "none"
         raise SystemExit(f"error: {args.system} has no command {args.cmd!r}; its extra commands: {choices}")
     sys.argv[0] = f"{args.system} {args.cmd}"
-    result = system.extra_commands[args.cmd](args.args)
-    return result if isinstance(result, int) else 0
+    return run_command(sys.argv[0], system.extra_commands[args.cmd], args.args)
 
 
 def main(argv: list[str] | None = None) -> None:

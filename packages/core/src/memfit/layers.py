@@ -1,14 +1,25 @@
-"""Shared layers: PreNorm, GEGLU FeedForward, CrossAttention (through memfit.attention), FourierFeatures."""
+"""Shared layers: activation checkpointing (`checkpointed`), PreNorm, GEGLU FeedForward,
+CrossAttention (through memfit.attention), FourierFeatures."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from memfit.attention import attention
+
+
+def checkpointed(fn: Callable[..., Any], *args: Any, enabled: bool = True, **kwargs: Any) -> Any:
+    """Run fn(*args), keeping only its inputs for backward and recomputing its inside (when enabled)."""
+    if enabled and torch.is_grad_enabled():
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return fn(*args, **kwargs)
 
 
 class PreNorm(nn.Module):

@@ -6,16 +6,23 @@ A model package declares, in its pyproject::
     ginr-cifar = "ginr_cifar.system:SYSTEM"
 
 and ``ginr_cifar/system.py`` defines ``SYSTEM = System(...)``. Core never imports a model package by
-name; it only loads entry points.
+name; it only loads entry points (or systems ``register()``ed in-process, e.g. by a test).
+See docs/adding-a-system.md for the checklist.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
 
+from memfit.checkpoint import CHECKPOINT_FORMAT, find_checkpoint, load_checkpoint
+from memfit.config import from_dict
+from memfit.errors import UsageError, console
 from memfit.memory import TrainStep
+from memfit.run_dir import resolve_run
 
 ENTRY_POINT_GROUP = "memfit.systems"
 
@@ -49,7 +56,11 @@ class BudgetEntry:
 
 @dataclass
 class System:
-    """A model package as the core sees it. train/eval take argv (None = sys.argv[1:])."""
+    """A model package as the core sees it. train/eval take argv (None = sys.argv[1:]).
+
+    config_cls and build_model(config) -> nn.Module are what ``load_model`` needs to rebuild a trained
+    model from any checkpoint of the system (checkpoint["config"] holds the config as a dict).
+    """
 
     name: str
     summary: str
@@ -57,14 +68,89 @@ class System:
     eval: Callable[[list[str] | None], object]
     budgets: Callable[[], list[BudgetEntry]] = field(default=lambda: [])
     extra_commands: dict[str, Callable[[list[str] | None], object]] = field(default_factory=dict)
+    config_cls: type | None = None
+    build_model: Callable[[Any], Any] | None = None
+
+    def run_dir(self, run: str | Path | None = None, runs_dir: str | Path = "runs") -> Path:
+        """A run given by name or path: None -> runs_dir/<system>/run; a name -> runs_dir/<system>/<name>."""
+        return resolve_run(run, self.name, runs_dir)
+
+    def load_model(
+        self,
+        run: str | Path | None = None,
+        device: str | Any = "cpu",
+        which: str = "best",
+        runs_dir: str | Path = "runs",
+        **overrides: Any,
+    ) -> tuple[Any, dict[str, Any]]:
+        """(model in eval mode on device, checkpoint) from a run (name or folder: best.pt, else the
+        newest checkpoint) or a checkpoint file; overrides replace config fields (e.g. pcs=True).
+        Another system's checkpoint, an old-format one or weights that do not fit: UsageError."""
+        if self.config_cls is None or self.build_model is None:
+            raise TypeError(f"system {self.name} registers no config_cls/build_model; it cannot load models")
+        path = self.run_dir(run, runs_dir)
+        if path.is_dir():
+            found = find_checkpoint(path, which)
+            if found is None:
+                raise UsageError(f"error: no checkpoint in {path}; train first (`{self.name} train`)")
+            path = found
+        try:
+            state = load_checkpoint(path, map_location="cpu")
+        except (FileNotFoundError, ValueError) as e:
+            raise UsageError(f"error: {e}") from None
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise UsageError(
+                f"error: {path} is not a memfit checkpoint of format {CHECKPOINT_FORMAT} (an older memfit "
+                "wrote it, or another program); retrain it with this version"
+            )
+        if state.get("system") != self.name:
+            raise UsageError(
+                f"error: {path} is a {state.get('system')} checkpoint, not {self.name}; "
+                f"pass a {self.name} run (or use `{state.get('system')} eval`)"
+            )
+        try:
+            cfg = replace(from_dict(self.config_cls, state["config"]), **overrides)
+            model = self.build_model(cfg)
+            model.load_state_dict(state["model"])
+        except (TypeError, ValueError, RuntimeError) as e:
+            first = str(e).strip().splitlines()[0][:160]
+            raise UsageError(f"error: {path}: its weights do not fit its config ({first})") from None
+        return model.to(device).eval(), state
+
+    def command(self, kind: str) -> Callable[..., int]:
+        """The console entry point of `train`, `eval` or an extra command (the package's aliases such as
+        `mbsnet-train`): exit status 0 on success, 2 with one line on bad input, 130/143 on a signal."""
+        commands = {"train": self.train, "eval": self.eval, **self.extra_commands}
+        if kind not in commands:
+            raise KeyError(f"{self.name} has no command {kind!r}; it has {', '.join(commands)}")
+        return console(commands[kind])
+
+
+_REGISTERED: dict[str, System] = {}
+
+
+def register(system: System) -> System:
+    """Make a System known in this process without an installed package (tests, notebooks, scripts)."""
+    if not isinstance(system, System):
+        raise TypeError(f"register expects a memfit.system.System, got {type(system).__name__}")
+    _REGISTERED[system.name] = system
+    return system
+
+
+def unregister(name: str) -> None:
+    _REGISTERED.pop(name, None)
 
 
 def available_systems() -> dict[str, object]:
-    """Name -> entry point (not loaded) for every installed system."""
-    return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    """Name -> entry point (not loaded) for every installed system, plus the ones register()ed."""
+    found: dict[str, object] = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    found.update(_REGISTERED)
+    return found
 
 
 def load_system(name: str) -> System:
+    if name in _REGISTERED:
+        return _REGISTERED[name]
     eps = available_systems()
     if name not in eps:
         choices = ", ".join(sorted(eps)) or "none installed"

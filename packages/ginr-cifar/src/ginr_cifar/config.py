@@ -6,7 +6,9 @@ Presets ``fast`` / ``balanced`` / ``high`` are the seed's three ``MambaGINR_CIFA
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
+
+from memfit import config
 
 DECODERS = ("attn", "ff", "xattn")
 
@@ -64,14 +66,6 @@ class GINRConfig:
     def num_pixels(self) -> int:
         return self.image_size**2
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> GINRConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
 
 PRESETS: dict[str, GINRConfig] = {
     "fast": GINRConfig(dim=128, num_lp=16, depth=3, hidden_dim=64),
@@ -95,7 +89,5 @@ PRESETS: dict[str, GINRConfig] = {
 
 
 def get_config(name: str = "balanced", **overrides) -> GINRConfig:
-    """A preset by name with field overrides (None values are ignored)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    return replace(PRESETS[name], **{k: v for k, v in overrides.items() if v is not None})
+    """A preset by name with field overrides (memfit.config.get_config)."""
+    return config.get_config(PRESETS, name, **overrides)

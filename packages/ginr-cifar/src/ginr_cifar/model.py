@@ -25,12 +25,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-from memfit.attention import attention_ref
-from memfit.layers import CrossAttention, FeedForward, FourierFeatures, PreNorm
+from memfit.layers import CrossAttention, FeedForward, FourierFeatures, PreNorm, checkpointed
 from memfit.mamba import BiMamba, MambaConfig
-from memfit.training import checkpointed
 from torch import nn
 
+from ginr_cifar.baselines import NaiveSelfAttention
 from ginr_cifar.config import GINRConfig
 
 
@@ -64,23 +63,6 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         return x + self.inner(x, **kwargs)
-
-
-class NaiveSelfAttention(nn.Module):
-    """Self-attention over the query coordinates with materialised scores (the seed's baseline)."""
-
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)
-        self.to_out = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (B, N, dim) -> (B, N, dim); builds the (B, heads, N, N) score matrix."""
-        B, N, D = x.shape
-        q, k, v = self.to_qkv(x).view(B, N, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        out = attention_ref(q, k, v)
-        return self.to_out(out.transpose(1, 2).reshape(B, N, D))
 
 
 class DecoderBlock(nn.Module):

@@ -98,4 +98,10 @@ SYSTEM = System(
     train=_train,
     eval=_eval,
     budgets=budget_entries,
+    config_cls=GINRConfig,
+    build_model=GINR,
 )
+
+# The package's console aliases (pyproject [project.scripts]): exit 0 on success, 2 on bad input.
+train_cli = SYSTEM.command("train")
+eval_cli = SYSTEM.command("eval")

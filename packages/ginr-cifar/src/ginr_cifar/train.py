@@ -15,11 +15,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-from memfit.metrics import psnr_per_image
+from memfit.config import overrides_from_args
 from memfit.training import (
     Trainer,
     add_loop_args,
+    add_model_args,
     autocast_context,
+    check_numbers,
     dist_info,
     loop_config_from_args,
     resolve_device,
@@ -30,6 +32,7 @@ from memfit.training import (
 
 from ginr_cifar.config import PRESETS, get_config
 from ginr_cifar.data import default_cache_dir, load_split, sample_batch
+from ginr_cifar.eval import evaluate_psnr, mean_colour_psnr
 from ginr_cifar.model import GINR
 
 SYSTEM_NAME = "ginr-cifar"
@@ -40,16 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data", default=None, help="CIFAR-10 batches folder or ImageFolder tree (default: embedded)"
     )
-    p.add_argument(
-        "--config",
-        default="auto",
-        choices=["auto", *PRESETS],
-        help="preset (auto: balanced on CUDA, tiny on CPU)",
-    )
+    add_model_args(p, PRESETS, "auto", help="preset (auto: balanced on CUDA, tiny on CPU)")
     p.add_argument("--decoder", choices=["attn", "ff", "xattn"], default=None, help="decoder variant")
     p.add_argument("--decoder_width", type=int, default=None)
     p.add_argument("--decoder_depth", type=int, default=None, help="decoder scales")
-    p.add_argument("--checkpointing", action="store_true", help="per-block activation checkpointing")
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--num_sample_coords", type=int, default=512, help="pixels per image per step (of 1024)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -69,48 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _model_config(args: argparse.Namespace, device: torch.device):
     name = args.config if args.config != "auto" else ("balanced" if device.type == "cuda" else "tiny")
-    return name, get_config(
-        name,
-        decoder=args.decoder,
-        decoder_width=args.decoder_width,
-        decoder_depth=args.decoder_depth,
-        checkpoint=True if args.checkpointing else None,
-    )
+    fields = {"decoder": "decoder", "decoder_width": "decoder_width", "decoder_depth": "decoder_depth"}
+    fields["checkpointing"] = "checkpoint"
+    return name, get_config(name, **overrides_from_args(args, fields))
 
 
 def mse_loss(model: torch.nn.Module, batch) -> torch.Tensor:
     """Batch (images, coords, rgb) -> mean squared error of the decoded pixels (fp32)."""
     images, coords, target = batch
     return F.mse_loss(model(images, coords).float(), target)
-
-
-@torch.no_grad()
-def reconstruct(model: GINR, images: torch.Tensor, batch_size: int = 100) -> torch.Tensor:
-    """uint8 or float images (N, C, H, W) -> reconstructions (N, C, H, W) in [0, 1], all pixels decoded."""
-    from ginr_cifar.data import pixel_coords, pixels_to_image
-
-    device = next(model.parameters()).device
-    size = model.cfg.image_size
-    grid = pixel_coords(size, device=device)
-    out = []
-    for i in range(0, images.shape[0], batch_size):
-        x = images[i : i + batch_size].to(device)
-        x = x.float() / 255 if x.dtype == torch.uint8 else x.float()
-        rgb = model(x, grid.expand(x.shape[0], -1, -1)).float().clamp(0, 1)
-        out.append(pixels_to_image(rgb, size).cpu())
-    return torch.cat(out)
-
-
-def mean_colour_psnr(images: torch.Tensor) -> float:
-    """PSNR of predicting each image's mean colour: the floor any reconstruction must clear."""
-    x = images.float() / 255 if images.dtype == torch.uint8 else images.float()
-    return psnr_per_image(x.mean((2, 3), keepdim=True).expand_as(x), x).mean().item()
-
-
-def evaluate_psnr(model: GINR, images: torch.Tensor, batch_size: int = 100) -> float:
-    """Mean full-resolution PSNR (dB, pixels in [0, 1]) over uint8 images (N, C, H, W)."""
-    recon = reconstruct(model, images, batch_size)
-    return psnr_per_image(recon, images.float() / 255).mean().item()
 
 
 def _sync(device: torch.device) -> None:
@@ -156,6 +120,8 @@ def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    check_numbers(args, lr=">0", weight_decay=">=0", warmup=">=0", batch_size=">=1", eval_every=">=0")
+    check_numbers(args, eval_images=">=1", holdout=">=0", profile_iters=">=1")
     loop = loop_config_from_args(args, system=SYSTEM_NAME)
     device = resolve_device(loop.device)
     try:
@@ -235,8 +201,10 @@ def main(argv: list[str] | None = None) -> dict:
         scheduler=sched,
         eval_fn=eval_fn if eval_imgs is not None and len(eval_imgs) else None,
         eval_every=args.eval_every,
-        model_config={"ginr": cfg.to_dict(), "preset": name, "data": args.data, "holdout": args.holdout},
+        config=cfg,
+        meta={"preset": name, "data": args.data, "holdout": args.holdout},
         items_per_step=args.batch_size * args.grad_accum,
+        system=SYSTEM_NAME,
     )
     result = trainer.fit()
     if "eval/holdout_psnr" in result:
@@ -251,5 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("ginr-train", main))

@@ -1,9 +1,11 @@
-"""GPT-2 configuration and the named presets that `--model` picks from."""
+"""GPT-2 configuration and the named presets that `--config` (the seed's `--model`) picks from."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
+
+from memfit import config
 
 ATTN_IMPLS = ("memfit", "ref", "seed")
 
@@ -25,7 +27,7 @@ class GPTConfig:
     checkpoint: bool = False
     # "memfit": memfit.attention (SDPA / flash-attn / Flex / CPU band path).
     # "ref": memfit.attention.attention_ref, the naive masked softmax (for parity tests).
-    # "seed": the original script's mistake, kept as the naive memory baseline (see model.SeedMaskCache).
+    # "seed": the original script's mistake, kept as the naive memory baseline (see baselines.SeedMaskCache).
     attn_impl: str = "memfit"
 
     def __post_init__(self) -> None:
@@ -61,15 +63,6 @@ class GPTConfig:
             return list(self.window)
         return [self.window] * self.n_layer
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
-        """Rebuild from to_dict() output (unknown keys are ignored, e.g. from a newer version)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
 
 # Character-level presets leave vocab_size to the tokenizer. "tiny" is nanoGPT's shakespeare_char CPU
 # config (README: 4 layers, 4 heads, 128 wide, block 64, no bias, dropout 0).
@@ -85,8 +78,6 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
-def preset(name: str, **overrides: Any) -> GPTConfig:
-    """A copy of PRESETS[name] with overrides applied; unknown names raise ValueError listing the choices."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}")
-    return replace(PRESETS[name], **overrides)
+def get_config(name: str, **overrides: Any) -> GPTConfig:
+    """A copy of PRESETS[name] with overrides applied (memfit.config.get_config)."""
+    return config.get_config(PRESETS, name, **overrides)

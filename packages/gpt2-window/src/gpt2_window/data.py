@@ -11,7 +11,6 @@ Batches are random windows drawn with a generator the caller seeds, so a batch i
 
 from __future__ import annotations
 
-import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +34,14 @@ def _tiktoken_gpt2():
     try:
         import tiktoken
     except ImportError:
-        return None, "tiktoken is not installed"
+        return None, "tiktoken is not installed (the optional extra: `uv sync --all-packages --extra bpe`)"
     try:
         return tiktoken.get_encoding("gpt2"), ""
     except Exception as e:  # no cached encoding and no network
-        return None, f"tiktoken could not load the GPT-2 encoding offline ({type(e).__name__}: {e})"
+        return None, (
+            f"tiktoken could not load the GPT-2 encoding offline ({type(e).__name__}: {e}); run once with "
+            "network access or point TIKTOKEN_CACHE_DIR at a cached copy"
+        )
 
 
 @dataclass
@@ -191,7 +193,6 @@ class TokenData:
     tokenizer: Tokenizer | None  # None: shards whose vocabulary is unknown (ids only)
     vocab_size: int
     source: str
-    note: str = ""  # e.g. "tiktoken not available, using characters"
 
     def num_tokens(self, split: str) -> int:
         return sum(len(a) for a in self._split(split))
@@ -262,12 +263,12 @@ def _shard_files(path: Path) -> tuple[list[Path], list[Path]] | None:
     return None
 
 
-def load_data(path: str | Path | None = None, tokenizer: str | Tokenizer = "char", log=print) -> TokenData:
+def load_data(path: str | Path | None = None, tokenizer: str | Tokenizer = "char") -> TokenData:
     """Load --data: None -> the default corpus; a text file; or uint16 token shards (.bin / a folder).
 
-    tokenizer (text only): "char"; "gpt2" (needs tiktoken offline, else ValueError); "auto" (gpt2 when
-    tiktoken works offline, else characters, saying so); or a Tokenizer (e.g. from a checkpoint) whose
-    vocabulary the text is encoded with, so ids match the trained model.
+    tokenizer (text only): "char"; "gpt2" or "auto" (GPT-2 BPE: needs tiktoken and its encoding offline,
+    else ValueError naming the fix; never a silent switch to characters); or a Tokenizer (e.g. from a
+    checkpoint) whose vocabulary the text is encoded with, so ids match the trained model.
     """
     if isinstance(tokenizer, Tokenizer):
         fixed, tokenizer = tokenizer, tokenizer.kind
@@ -298,7 +299,6 @@ def load_data(path: str | Path | None = None, tokenizer: str | Tokenizer = "char
         text, source = read_text(path), str(path)
     else:
         text, source = default_corpus(), "default corpus (Python standard-library sources)"
-    note = ""
     if fixed is not None and fixed.kind == "char":
         train, val = _split_90_10(_encode_chars(text, fixed.chars, source))
         return TokenData(train, val, fixed, fixed.vocab_size, source)
@@ -309,11 +309,8 @@ def load_data(path: str | Path | None = None, tokenizer: str | Tokenizer = "char
             tok = Tokenizer("gpt2", _enc=enc)
             train, val = _split_90_10(ids)
             return TokenData(train, val, tok, tok.vocab_size, source)
-        if tokenizer == "gpt2":
-            raise ValueError(f"--tokenizer gpt2 asked for, but {why}; use --tokenizer char")
-        note = f"tiktoken not available, using characters ({why})"
-        log(f"[gpt2-window] {note}", file=sys.stderr)
+        raise ValueError(f"GPT-2 BPE tokens asked for, but {why}; or use --tokenizer char")
     ids, chars = _char_ids(text)
     tok = Tokenizer("char", chars)
     train, val = _split_90_10(ids)
-    return TokenData(train, val, tok, tok.vocab_size, source, note)
+    return TokenData(train, val, tok, tok.vocab_size, source)

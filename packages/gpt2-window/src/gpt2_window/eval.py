@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import torch
-from memfit.training import autocast_context, load_checkpoint, resolve_device, step_generator
+from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.run_dir import resolve_run
+from memfit.training import autocast_context, resolve_device, step_generator
 
-from gpt2_window.config import GPTConfig
 from gpt2_window.data import TokenData, Tokenizer, load_data
 from gpt2_window.model import GPT
 
@@ -43,31 +44,13 @@ def estimate_loss(
     return total / max(1, iters)
 
 
-def load_model(run: str | Path, device: torch.device) -> tuple[GPT, dict]:
-    """Rebuild the model of a run folder (newest checkpoint) or a checkpoint file; (model, model_config)."""
-    state = load_checkpoint(run, map_location=device)
-    mc = state.get("model_config") or {}
-    if "gpt" not in mc:
-        raise ValueError(f"{run} is not a gpt2-window checkpoint (its model_config has no 'gpt' entry)")
-    cfg = GPTConfig.from_dict(mc["gpt"])
-    with torch.device(device):
-        model = GPT(cfg)
-    model.load_state_dict(state["model"])
-    model.eval()
-    mc = dict(mc, step=int(state.get("step", 0)))
-    return model, mc
+def load_model(run: str | Path | None, device: torch.device, runs_dir: str = "runs") -> tuple[GPT, dict]:
+    """The model of a run (name or folder: best.pt, else the newest checkpoint) or a checkpoint file;
+    returns (model, the checkpoint's meta with its step)."""
+    from gpt2_window.system import SYSTEM
 
-
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--run", default=None, help="run folder or checkpoint file (default runs/gpt2-window/run)")
-    p.add_argument("--runs_dir", default="runs")
-    p.add_argument("--run_name", default="run")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--amp", choices=["bf16", "fp16", "none"], default="none", help="autocast for evaluation")
-
-
-def run_path(args: argparse.Namespace) -> Path:
-    return Path(args.run) if args.run else Path(args.runs_dir) / "gpt2-window" / args.run_name
+    model, state = SYSTEM.load_model(run, device, runs_dir=runs_dir)
+    return model, dict(state["meta"], step=int(state["step"]))
 
 
 def run(argv: list[str] | None = None) -> dict | list[str]:
@@ -78,7 +61,8 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
 
         return generate_run(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_run_args(p)
+    add_eval_args(p, "gpt2-window")
+    p.add_argument("--amp", choices=["bf16", "fp16", "none"], default="none", help="autocast for evaluation")
     p.add_argument("--data", default=None, help="evaluation data (default: the data the run trained on)")
     p.add_argument("--split", choices=["val", "train"], default="val")
     p.add_argument("--batch_size", type=int, default=12)
@@ -86,9 +70,13 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
     p.add_argument("--eval_iters", type=int, default=200, help="batches to average over")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
+    apply_threads(args)
+    check_numbers(args, batch_size=">=1", eval_iters=">=1", sequence_length=">=1")
     device = resolve_device(args.device)
+    run = resolve_run(args.run, "gpt2-window", args.runs_dir)
+    out = eval_out_dir(args, run)
     try:
-        model, mc = load_model(run_path(args), device)
+        model, mc = load_model(run, device)
         tok = Tokenizer.from_dict(mc["tokenizer"]) if mc.get("tokenizer") else "char"
         data = load_data(args.data if args.data is not None else mc.get("data"), tok)
         T = args.sequence_length or mc.get("sequence_length") or model.config.block_size
@@ -111,6 +99,7 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
         "tokens": args.eval_iters * args.batch_size * T,
         "data": data.source,
     }
+    (out / f"eval_{args.split}.json").write_text(json.dumps(result, indent=2))
     if args.json:
         print(json.dumps(result))
     else:
@@ -126,5 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     run(argv)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("gpt2-eval", main))

@@ -5,16 +5,16 @@ from __future__ import annotations
 import argparse
 
 import torch
+from memfit.flags import add_eval_args, apply_threads
 from memfit.training import resolve_device
 
 from gpt2_window.data import Tokenizer
-from gpt2_window.eval import add_run_args, load_model, run_path
 
 
 def run(argv: list[str] | None = None) -> list[str]:
     """main() returning its results (for tests and scripts)."""
     p = argparse.ArgumentParser(prog="gpt2-eval generate", description=__doc__.splitlines()[0])
-    add_run_args(p)
+    add_eval_args(p, "gpt2-window", out=False)
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--num_samples", type=int, default=1)
@@ -26,9 +26,13 @@ def run(argv: list[str] | None = None) -> list[str]:
         raise SystemExit(
             "gpt2-eval generate: error: need --max_new_tokens >= 0, --num_samples >= 1, --temperature > 0"
         )
+    apply_threads(args)
     device = resolve_device(args.device)
     try:
-        model, mc = load_model(run_path(args), device)
+        from gpt2_window.system import SYSTEM
+
+        model, state = SYSTEM.load_model(args.run, device, runs_dir=args.runs_dir)
+        mc = state["meta"]
         if not mc.get("tokenizer"):
             raise ValueError(
                 "this run trained on token ids with an unknown vocabulary; nothing to decode text with"
@@ -57,5 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     run(argv)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("gpt2-window generate", main))

@@ -14,38 +14,15 @@ checkpointing cannot free them), held for backward, and cached for up to 10 leng
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
 from memfit.attention import attention, attention_ref
+from memfit.layers import checkpointed
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from gpt2_window.baselines import SeedMaskCache
 from gpt2_window.config import GPTConfig
-
-
-class SeedMaskCache:
-    """The seed's per-length mask cache: key (B=1, H=1, T, window, device), at most max_size entries."""
-
-    def __init__(self, max_size: int = 10) -> None:
-        self.max_size = max_size
-        self.masks: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-
-    def get(self, T: int, window: int, device: torch.device) -> torch.Tensor:
-        """(1, 1, T, T) bool, True where query i may see key j (i - window < j <= i)."""
-        key = (1, 1, T, window, str(device))  # the seed forced B = H = 1 here and broadcast later
-        if key not in self.masks:
-            i = torch.arange(T, device=device)[:, None]
-            j = torch.arange(T, device=device)[None, :]
-            self.masks[key] = ((j <= i) & (j > i - window))[None, None]
-            while len(self.masks) > self.max_size:
-                self.masks.popitem(last=False)
-        return self.masks[key]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.numel() * m.element_size() for m in self.masks.values())
 
 
 class CausalSelfAttention(nn.Module):
@@ -166,10 +143,7 @@ class GPT(nn.Module):
         dense = self._seed_dense_masks(B, T, idx.device) if self.seed_cache is not None else {}
         for block, w in zip(self.transformer.h, self.windows):
             mask = dense.get(w)
-            if self.config.checkpoint and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, mask, use_reentrant=False)
-            else:
-                x = block(x, mask)
+            x = checkpointed(block, x, mask, enabled=self.config.checkpoint and self.training)
         x = self.transformer.ln_f(x)
         if targets is None:
             return self.lm_head(x[:, -1:, :]), None

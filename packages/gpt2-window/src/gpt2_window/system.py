@@ -8,7 +8,7 @@ import torch
 from memfit.memory import TrainStep
 from memfit.system import BudgetEntry, Scaling, System
 
-from gpt2_window.config import GPTConfig, preset
+from gpt2_window.config import GPTConfig, get_config
 from gpt2_window.eval import main as eval_main
 from gpt2_window.generate import main as generate_main
 from gpt2_window.model import GPT, make_optimizer
@@ -45,12 +45,12 @@ def _calibration(cfg: GPTConfig, amp_dtype: torch.dtype | None) -> TrainStep:
 def budget_entries() -> list[BudgetEntry]:
     """d12 (124M) at batch 4 x 1024 tokens: causal, window 64 (bf16 and fp32), and the seed's baseline."""
     rows = [
-        ("causal", preset("d12"), torch.bfloat16, "bf16", 6.0, False, "causal SDPA"),
-        ("window", preset("d12_window"), torch.bfloat16, "bf16", 6.0, False, "window 64"),
-        ("window-fp32", preset("d12_window"), None, "fp32", 10.5, False, "window 64, no autocast"),
+        ("causal", get_config("d12"), torch.bfloat16, "bf16", 6.0, False, "causal SDPA"),
+        ("window", get_config("d12_window"), torch.bfloat16, "bf16", 6.0, False, "window 64"),
+        ("window-fp32", get_config("d12_window"), None, "fp32", 10.5, False, "window 64, no autocast"),
         (
             "window-seed",
-            preset("d12_window", attn_impl="seed"),
+            get_config("d12_window", attn_impl="seed"),
             torch.bfloat16,
             "bf16",
             None,
@@ -88,4 +88,10 @@ SYSTEM = System(
     eval=eval_main,
     budgets=budget_entries,
     extra_commands={"generate": generate_main},
+    config_cls=GPTConfig,
+    build_model=GPT,
 )
+
+# The package's console aliases (pyproject [project.scripts]): exit 0 on success, 2 on bad input.
+train_cli = SYSTEM.command("train")
+eval_cli = SYSTEM.command("eval")

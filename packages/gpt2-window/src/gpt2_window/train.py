@@ -1,7 +1,7 @@
 """Train the GPT: `gpt2-train` / `uv run --package gpt2-window train`.
 
 Accepts the seed script's flags (`--model d12|d12_window --sequence_length 1024 --batch_size 4
---num_iterations 5`) and memfit's loop flags (`--steps` is the same as `--num_iterations`).
+--num_iterations 5`) and memfit's flags (`--config` is `--model`, `--steps` is `--num_iterations`).
 With no --data it trains on the embedded default corpus (Python standard-library sources), offline.
 """
 
@@ -12,10 +12,14 @@ import time
 from dataclasses import replace
 
 import torch
+from memfit.config import config_dict, overrides_from_args
 from memfit.training import (
     Trainer,
     add_loop_args,
+    add_model_args,
+    check_numbers,
     dist_info,
+    hidden_alias,
     latest_checkpoint,
     load_checkpoint,
     loop_config_from_args,
@@ -24,7 +28,7 @@ from memfit.training import (
     warmup_cosine_lambda,
 )
 
-from gpt2_window.config import PRESETS, GPTConfig, preset
+from gpt2_window.config import ATTN_IMPLS, PRESETS, GPTConfig, get_config
 from gpt2_window.data import TokenData, load_data
 from gpt2_window.eval import estimate_loss
 from gpt2_window.model import GPT, make_optimizer
@@ -53,8 +57,10 @@ def parse_window(text: str) -> int | list[int | None] | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    m = add_model_args(p, PRESETS, "tiny", attention=list(ATTN_IMPLS))
+    hidden_alias(m, "--model", dest="config", choices=list(PRESETS))  # the seed's spelling
+    hidden_alias(m, "--attn_impl", dest="attention", choices=list(ATTN_IMPLS))
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", choices=list(PRESETS), default="tiny", help="preset (default %(default)s)")
     g.add_argument(
         "--sequence_length", type=int, default=None, help="tokens per row (default: model context)"
     )
@@ -68,13 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="sliding window: an int, 'none', or one per layer '64,none,...' (default: preset's)",
     )
-    g.add_argument(
-        "--attn_impl",
-        choices=["memfit", "ref", "seed"],
-        default="memfit",
-        help="memfit (default); ref: naive masked softmax; seed: the original mask-cache baseline",
-    )
-    g.add_argument("--checkpointing", action="store_true", help="activation checkpointing per block")
     g.add_argument("--dropout", type=float, default=0.0)
     g.add_argument(
         "--data", default=None, help="UTF-8 text file or uint16 token shards (default: embedded corpus)"
@@ -83,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         choices=["auto", "char", "gpt2"],
         default="auto",
-        help="text files: auto = GPT-2 BPE for d12 presets when tiktoken works offline, else characters",
+        help="auto: characters for the default corpus and the character presets, GPT-2 BPE for d12 "
+        "presets on --data text (needs the `bpe` extra; an error, not a silent switch, without it)",
     )
     o = p.add_argument_group("optimizer and evaluation")
     o.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_config(args: argparse.Namespace, data: TokenData) -> tuple[GPTConfig, int]:
     """The model config from --model and overrides, and the sequence length; ValueError on bad input."""
-    cfg = preset(args.model)
-    overrides = {"dropout": args.dropout, "checkpoint": args.checkpointing, "attn_impl": args.attn_impl}
+    cfg = get_config(args.config)
+    overrides = {"dropout": args.dropout}
+    overrides.update(overrides_from_args(args, {"checkpointing": "checkpoint", "attention": "attn_impl"}))
     if hasattr(args, "window"):
         overrides["window"] = args.window
     if cfg.vocab_size is None:  # character presets: exactly the data's vocabulary, as nanoGPT's char model
@@ -114,7 +115,7 @@ def build_config(args: argparse.Namespace, data: TokenData) -> tuple[GPTConfig, 
         raise ValueError(f"--sequence_length must be >= 1, got {T}")
     if cfg.block_size < T:
         raise ValueError(
-            f"--sequence_length {T} is longer than the context of --model {args.model} "
+            f"--sequence_length {T} is longer than the context of --config {args.config} "
             f"({cfg.block_size} positions); use --sequence_length <= {cfg.block_size}"
         )
     if args.batch_size < 1:
@@ -125,30 +126,37 @@ def build_config(args: argparse.Namespace, data: TokenData) -> tuple[GPTConfig, 
 def run(argv: list[str] | None = None) -> dict:
     """main() returning its results (for tests and scripts)."""
     args = build_parser().parse_args(argv)
+    check_numbers(args, lr=">0", min_lr=">=0", warmup=">=0", weight_decay=">=0", batch_size=">=1")
+    check_numbers(args, eval_every=">=0", eval_iters=">=1", beta1=">=0", beta2=">=0")
     loop = loop_config_from_args(args, system=SYSTEM_NAME)
     try:
         tok_choice = args.tokenizer
-        if tok_choice == "auto" and preset(args.model).vocab_size is None:
-            tok_choice = "char"  # character presets: their vocabulary is the text's
+        if tok_choice == "auto" and (get_config(args.config).vocab_size is None or args.data is None):
+            tok_choice = "char"  # character presets, and the default corpus: the text's characters
         data = load_data(args.data, tok_choice)
         cfg, T = build_config(args, data)
         data.check_length(T)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"gpt2-train: error: {e}") from None
 
-    model_config = {
-        "gpt": cfg.to_dict(),
+    meta = {
         "tokenizer": data.tokenizer.to_dict() if data.tokenizer else None,
         "sequence_length": T,
         "data": args.data,
-        "model": args.model,
+        "preset": args.config,
     }
     if loop.resume and (ckpt := latest_checkpoint(loop.run_dir)) is not None:
-        saved = load_checkpoint(ckpt).get("model_config", {})
-        if saved.get("gpt") != model_config["gpt"] or saved.get("tokenizer") != model_config["tokenizer"]:
+        try:
+            saved = load_checkpoint(ckpt)
+        except ValueError:
+            saved = {}  # unreadable: the Trainer falls back to an older checkpoint and says so
+        if saved and (
+            saved.get("config") != config_dict(cfg)
+            or (saved.get("meta") or {}).get("tokenizer") != meta["tokenizer"]
+        ):
             raise SystemExit(
                 f"gpt2-train: error: --resume: {ckpt} was trained with a different model or vocabulary; "
-                "pass the same --model/--window/--data, or a new --run_name"
+                "pass the same --config/--window/--data, or a new --run_name"
             )
 
     device = resolve_device(loop.device)
@@ -178,13 +186,13 @@ def run(argv: list[str] | None = None) -> dict:
     trainer = Trainer(
         model, optimizer, loss_fn, get_batch, loop,
         scheduler=scheduler, eval_fn=eval_fn, eval_every=args.eval_every,
-        model_config=model_config, items_per_step=tokens_per_step,
+        config=cfg, meta=meta, items_per_step=tokens_per_step, system=SYSTEM_NAME,
     )  # fmt: skip
 
     if trainer.dist.is_main:
         windows = sorted({str(w) for w in cfg.layer_windows()})
         print(
-            f"gpt2-window: model {args.model} ({model.num_params() / 1e6:.2f}M params, "
+            f"gpt2-window: model {args.config} ({model.num_params() / 1e6:.2f}M params, "
             f"window {'/'.join(windows)}, attention {cfg.attn_impl}), data {data.source}: "
             f"{data.num_tokens('train'):,} train / "
             f"{data.num_tokens('val'):,} val tokens, vocab {data.vocab_size}"
@@ -206,5 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     run(argv)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("gpt2-train", main))

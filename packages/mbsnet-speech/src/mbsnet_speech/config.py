@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
+
+from memfit import config
 
 SAMPLE_RATE = 16_000
 
@@ -47,14 +49,6 @@ class MBSNetConfig:
     @property
     def n_bins(self) -> int:
         return self.n_fft // 2 + 1
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> MBSNetConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
 
 
 def band_widths(n_bins: int, num_bands: int) -> list[int]:
@@ -113,6 +107,5 @@ PRESETS = {"default": default_config, "seed": seed_config, "tiny": tiny_config}
 
 
 def get_config(name: str, **overrides: Any) -> MBSNetConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return PRESETS[name](**overrides)
+    """A preset by name with field overrides (memfit.config.get_config)."""
+    return config.get_config(PRESETS, name, **overrides)

@@ -20,6 +20,7 @@ import functools
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import soundfile as sf
@@ -57,6 +58,16 @@ def read_wav(path: str | Path, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     if not np.all(np.isfinite(audio)):
         raise ValueError(f"{path} contains NaN or Inf samples")
     return np.ascontiguousarray(audio, dtype=np.float32)
+
+
+def conversion_notes(info: Any) -> list[str]:
+    """What read_wav will do to a file (soundfile info): resample to 16 kHz, average channels to mono."""
+    notes = []
+    if info.samplerate != SAMPLE_RATE:
+        notes.append(f"{info.samplerate} Hz files are resampled to 16 kHz")
+    if info.channels > 1:
+        notes.append(f"{info.channels}-channel files are averaged to mono")
+    return notes
 
 
 def write_wav(path: str | Path, audio: np.ndarray, sample_rate: int = SAMPLE_RATE) -> None:
@@ -154,10 +165,7 @@ def find_pairs(root: str | Path, split: str | None = None) -> PairFolder:
                 f"({info.frames / info.samplerate:.3f} s), shorter than one STFT frame "
                 f"({MIN_SAMPLES} samples at 16 kHz); remove it"
             )
-        if info.samplerate != SAMPLE_RATE:
-            notes.add(f"{info.samplerate} Hz files are resampled to 16 kHz")
-        if info.channels > 1:
-            notes.add(f"{info.channels}-channel files are averaged to mono")
+        notes.update(conversion_notes(info))
     for n in sorted(notes):
         _note(n)
     return PairFolder(root, clean, noisy)

@@ -7,30 +7,27 @@ cross-faded, so memory stays bounded whatever the file length.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import soundfile as sf
 import torch
+from memfit.flags import add_threads_arg, apply_threads, check_numbers, eval_out_dir, hidden_alias
+from memfit.run_dir import resolve_run
+from memfit.training import resolve_device
 
-from mbsnet_speech.config import MBSNetConfig
-from mbsnet_speech.data import AUDIO_EXTS, SAMPLE_RATE, read_wav, write_wav
+from mbsnet_speech.data import AUDIO_EXTS, SAMPLE_RATE, conversion_notes, read_wav, write_wav
 from mbsnet_speech.model import MBSNet
 
-DEFAULT_RUN = "runs/mbsnet-speech/run"
 
+def load_model(run: str | Path | None, device: str | torch.device = "cpu", pcs: bool | None = None) -> MBSNet:
+    """The model of a run (name or folder: best.pt, else its newest checkpoint) or a checkpoint file."""
+    from mbsnet_speech.system import SYSTEM
 
-def load_model(ckpt: str | Path, device: str | torch.device = "cpu", pcs: bool | None = None) -> MBSNet:
-    """Rebuild the model from a checkpoint file or run folder (its saved config) and load the weights."""
-    from memfit.training import load_checkpoint
-
-    state = load_checkpoint(ckpt, map_location="cpu")
-    cfg = MBSNetConfig.from_dict(state.get("model_config") or {})
-    if pcs is not None:
-        cfg.pcs = pcs
-    model = MBSNet(cfg)
-    model.load_state_dict(state["model"])
-    return model.to(device).eval()
+    return SYSTEM.load_model(run, device, **({} if pcs is None else {"pcs": pcs}))[0]
 
 
 def enhance_array(
@@ -93,13 +90,20 @@ def main(argv: list[str] | None = None) -> list[Path]:
     p = argparse.ArgumentParser(prog="mbsnet-enhance", description=__doc__.splitlines()[0])
     p.add_argument("input", help="a .wav file or a folder of them")
     p.add_argument("--out", required=True, help="output folder (same file names)")
-    p.add_argument("--ckpt", default=DEFAULT_RUN, help="checkpoint file or run folder (default %(default)s)")
+    p.add_argument(
+        "--run", default=None, help="run name, run folder or .pt file (default runs/mbsnet-speech/run)"
+    )
+    p.add_argument("--runs_dir", default="runs", help="where train wrote its runs (default %(default)s)")
+    hidden_alias(p, "--ckpt", dest="run")  # the old spelling
     p.add_argument("--chunk_seconds", type=float, default=4.0)
     p.add_argument("--overlap_seconds", type=float, default=0.5)
     p.add_argument("--pcs", action="store_true", help="perceptual contrast stretching of the output")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto")
+    add_threads_arg(p)
     args = p.parse_args(argv)
-    src, out_dir = Path(args.input), Path(args.out)
+    apply_threads(args)
+    check_numbers(args, chunk_seconds=">0", overlap_seconds=">=0")
+    src = Path(args.input)
     if src.is_dir():
         files = sorted(f for f in src.iterdir() if f.suffix.lower() in AUDIO_EXTS)
         if not files:
@@ -108,8 +112,16 @@ def main(argv: list[str] | None = None) -> list[Path]:
         files = [src]
     else:
         raise SystemExit(f"error: {src} does not exist")
+    notes = set()
+    for f in files:
+        with contextlib.suppress(RuntimeError, sf.LibsndfileError):  # unreadable: read_wav says so below
+            notes.update(conversion_notes(sf.info(str(f))))
+    for n in sorted(notes):
+        print(f"[mbsnet] {n} (the enhanced files are 16 kHz mono)", file=sys.stderr)
+    out_dir = eval_out_dir(args, src)
     try:
-        model = load_model(args.ckpt, args.device, pcs=args.pcs or None)
+        run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
+        model = load_model(run, resolve_device(args.device), pcs=args.pcs or None)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     chunk, overlap = int(args.chunk_seconds * SAMPLE_RATE), int(args.overlap_seconds * SAMPLE_RATE)
@@ -127,5 +139,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     return written
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mbsnet-enhance", main))

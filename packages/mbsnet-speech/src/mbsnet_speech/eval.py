@@ -1,6 +1,6 @@
 """Evaluate MBS-Net: PESQ (wb, nb), STOI and SI-SDR of noisy vs enhanced, a table, a CSV and a spectrogram.
 
-`uv run mbsnet-eval [--ckpt RUN_DIR] [--data ROOT]`: pairs from a clean_*/noisy_* folder (the test split
+`uv run mbsnet-eval [--run RUN] [--data ROOT]`: pairs from a clean_*/noisy_* folder (the test split
 when there is one) or, by default, generated held-out pairs that no training batch contains.
 """
 
@@ -11,9 +11,12 @@ import csv
 from pathlib import Path
 
 import numpy as np
+from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir, hidden_alias
+from memfit.run_dir import resolve_run
+from memfit.training import resolve_device
 
 from mbsnet_speech.data import SAMPLE_RATE, find_pairs, heldout_pairs
-from mbsnet_speech.enhance import DEFAULT_RUN, enhance_array, load_model, model_fn
+from mbsnet_speech.enhance import enhance_array, load_model, model_fn
 from mbsnet_speech.metrics import PairResult, evaluate_pairs, summarise
 
 METRICS = ("pesq_wb", "pesq_nb", "stoi", "si_sdr")
@@ -103,22 +106,23 @@ def spectrogram_png(
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Evaluate from the command line (argv None -> sys.argv[1:]); returns the summary."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ckpt", default=DEFAULT_RUN, help="checkpoint file or run folder (default %(default)s)")
     p.add_argument("--data", default=None, help="clean_*/noisy_* root; default: generated held-out pairs")
     p.add_argument("--pairs", type=int, default=16, help="generated pairs to evaluate")
     p.add_argument("--seconds", type=float, default=3.0, help="length of generated pairs")
     p.add_argument("--limit", type=int, default=None, help="evaluate at most this many files from --data")
-    p.add_argument("--out", default=None, help="output folder (default: <ckpt run folder>/eval)")
     p.add_argument("--pcs", action="store_true", help="perceptual contrast stretching of the output")
-    p.add_argument("--device", default="cpu")
+    add_eval_args(p, "mbsnet-speech")
+    hidden_alias(p, "--ckpt", dest="run")  # the old spelling
     args = p.parse_args(argv)
+    apply_threads(args)
+    check_numbers(args, pairs=">=1", seconds=">0", limit=">=1")
+    run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
+    out_dir = eval_out_dir(args, run)
     try:
-        model = load_model(args.ckpt, args.device, pcs=args.pcs or None)
+        model = load_model(run, resolve_device(args.device), pcs=args.pcs or None)
         items = load_pairs(args.data, args.pairs, args.seconds, args.limit)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    ckpt = Path(args.ckpt)
-    out_dir = Path(args.out) if args.out else (ckpt if ckpt.is_dir() else ckpt.parent) / "eval"
     fn = model_fn(model)
     rows, enhanced = [], {}
     for name, noisy, clean in items:
@@ -147,5 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     return summary
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mbsnet-eval", main))

@@ -126,4 +126,10 @@ SYSTEM = System(
     eval=_eval,
     budgets=budget_entries,
     extra_commands={"enhance": _enhance},
+    config_cls=MBSNetConfig,
+    build_model=MBSNet,
 )
+
+# The package's console aliases (pyproject [project.scripts]): exit 0 on success, 2 on bad input.
+train_cli = SYSTEM.command("train")
+eval_cli = SYSTEM.command("eval")

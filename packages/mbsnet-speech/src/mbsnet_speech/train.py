@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
-from memfit.training import dist_info, resolve_device
+from memfit.training import check_numbers, dist_info, resolve_device
 
 from mbsnet_speech.config import PRESETS, get_config
 from mbsnet_speech.data import SAMPLE_RATE, find_pairs, folder_batch, pair_rng, synth_batch
@@ -63,19 +63,20 @@ def training_step_loss(model: MBSNet, batch) -> torch.Tensor:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit.training import add_loop_args
+    from memfit.training import add_loop_args, add_model_args, hidden_alias
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--config",
-        choices=["auto", *PRESETS],
-        default="auto",
+    m = add_model_args(
+        p,
+        PRESETS,
+        "auto",
         help="model preset; auto: default on a GPU, the quick CPU recipe (tiny, 32 channels) otherwise",
+        checkpointing_help="recompute each encoder layer in backward (default: the preset's)",
     )
+    hidden_alias(m, "--no_checkpoint", dest="checkpointing", action="store_false")
     p.add_argument("--layers", type=int, default=None, help="override the number of encoder layers")
     p.add_argument("--channels", type=int, default=None, help="override the channel width")
     p.add_argument("--bidirectional", action="store_true", help="bidirectional temporal Mamba (not causal)")
-    p.add_argument("--no_checkpoint", action="store_true", help="keep activations (no recompute)")
     p.add_argument(
         "--data", default=None, help="VoiceBank+DEMAND-style root (clean_*/ noisy_*/); default: generated"
     )
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = build_parser().parse_args(argv)
     resolve_recipe(args)
+    check_numbers(args, lr=">0", weight_decay=">=0", warmup=">=0", batch_size=">=1", seconds=">0")
     overrides = {}
     if args.layers is not None:
         overrides["num_layers"] = args.layers
@@ -132,8 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
         overrides["channels"] = args.channels
     if args.bidirectional:
         overrides["temporal_bidirectional"] = True
-    if args.no_checkpoint:
-        overrides["checkpoint"] = False
+    if args.checkpointing is not None:
+        overrides["checkpoint"] = args.checkpointing
     if args.batch_size < 1 or args.seconds * SAMPLE_RATE < 400:
         raise SystemExit("error: --batch_size must be >= 1 and --seconds >= 0.025 (one STFT window)")
     try:
@@ -182,11 +184,15 @@ def main(argv: list[str] | None = None) -> dict:
         get_batch,
         loop,
         scheduler=sched,
-        model_config={"preset": args.config, **cfg.to_dict()},
+        config=cfg,
+        meta={"preset": args.config},
         items_per_step=args.batch_size * crop * loop.grad_accum,
+        system=SYSTEM_NAME,
     )
     return trainer.fit()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mbsnet-train", main))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any
+
+from memfit import config
 
 
 @dataclass
@@ -70,14 +72,6 @@ class TriplaneConfig:
         """Resolution of the upsampled planes (2 x plane_res)."""
         return 2 * self.plane_res
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TriplaneConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
-
 
 PRESETS: dict[str, TriplaneConfig] = {
     "paper": TriplaneConfig(),
@@ -107,6 +101,4 @@ PRESETS: dict[str, TriplaneConfig] = {
 
 def get_config(name: str, **overrides: Any) -> TriplaneConfig:
     """A preset by name with field overrides, e.g. get_config("paper", attention="naive")."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return replace(PRESETS[name], **overrides)
+    return config.get_config(PRESETS, name, **overrides)

@@ -415,6 +415,9 @@ def export_main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", default="val", choices=list(SPLIT_IDS))
     a = p.parse_args(argv)
+    from memfit.flags import check_numbers
+
+    check_numbers(a, num_scenes=">=1", image_size=">=1")
     print(
         f"wrote {a.num_scenes} scenes to {export_scenes(a.out, a.num_scenes, a.image_size, a.seed, a.split)}"
     )

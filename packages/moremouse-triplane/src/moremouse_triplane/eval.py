@@ -1,6 +1,6 @@
 """`mouse-eval`: novel views of held-out scenes -> PSNR, SSIM and a PNG (input | predictions | truth).
 
-    uv run mouse-eval --run runs/moremouse-triplane/run
+    uv run mouse-eval --run run      (a run name, a run folder or a checkpoint file; writes <run>/eval/)
 
 Held-out scenes are the `val` split of the generator (never seen in training), or every scene of
 --data; held-out views are views other than the input. The baseline printed beside the model is the
@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.metrics import psnr_per_image
-from memfit.training import load_checkpoint, resolve_device
+from memfit.run_dir import resolve_run
+from memfit.training import resolve_device
 
-from moremouse_triplane.config import TriplaneConfig
 from moremouse_triplane.data import make_source, save_image
-from moremouse_triplane.model import TriplaneGenerator, build_model
+from moremouse_triplane.model import TriplaneGenerator
 from moremouse_triplane.render import image_rays
 
 
@@ -66,15 +67,11 @@ def render_views(
     return rgb.clamp(0, 1).transpose(1, 2).reshape(V, 3, H, W)
 
 
-def load_model(run: str | Path, device: torch.device) -> TriplaneGenerator:
-    """Rebuild the generator from a run folder or checkpoint file."""
-    state = load_checkpoint(run, map_location="cpu")
-    mc = state.get("model_config") or {}
-    if "config" not in mc:
-        raise ValueError(f"{run}: checkpoint has no model_config['config']; was it written by mouse-train?")
-    model = build_model(TriplaneConfig.from_dict(mc["config"]))
-    model.load_state_dict(state["model"])
-    return model.to(device).eval()
+def load_model(run: str | Path | None, device: torch.device) -> TriplaneGenerator:
+    """The generator of a run (name or folder: best.pt, else its newest checkpoint) or a checkpoint file."""
+    from moremouse_triplane.system import SYSTEM
+
+    return SYSTEM.load_model(run, device)[0]
 
 
 def evaluate(
@@ -109,24 +106,24 @@ def evaluate(
 def main(argv: list[str] | None = None) -> dict:
     """Evaluate a trained run; prints and returns {psnr, psnr_constant, ssim, ...}."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", default="runs/moremouse-triplane/run", help="run folder or checkpoint file")
     p.add_argument(
         "--data", default=None, help="folder of renders; default: held-out generated mice (val split)"
     )
     p.add_argument("--num_scenes", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="PNG path (default: <run>/eval.png)")
-    p.add_argument("--device", default="auto")
+    add_eval_args(p, "moremouse-triplane")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    apply_threads(args)
+    check_numbers(args, num_scenes=">=1")
     device = resolve_device(args.device)
-    run = Path(args.run)
+    run = resolve_run(args.run, "moremouse-triplane", args.runs_dir)
+    out = eval_out_dir(args, run)
     try:
         model = load_model(run, device)
         source = make_source(args.data, model.cfg.image_size, seed=args.seed, split="val")
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
-    run_dir = run if run.is_dir() else run.parent
-    png = Path(args.out) if args.out else run_dir / "eval.png"
+    png = out / "eval.png"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         res = evaluate(model, source, args.num_scenes, device, png)
     res["png"] = str(png)
@@ -134,9 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
         f"held-out: {res['scenes']} scenes, {res['views']} views: PSNR {res['psnr']:.2f} dB "
         f"(constant colour {res['psnr_constant']:.2f} dB), SSIM {res['ssim']:.3f}; wrote {png}"
     )
-    (run_dir / "eval.json").write_text(json.dumps(res, indent=1))
+    (out / "eval.json").write_text(json.dumps(res, indent=1))
     return res
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mouse-eval", main))

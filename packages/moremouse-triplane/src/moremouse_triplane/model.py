@@ -13,8 +13,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from memfit.attention import attention, attention_ref
-from memfit.layers import CrossAttention, FeedForward
-from memfit.training import checkpointed
+from memfit.layers import CrossAttention, FeedForward, checkpointed
 from torch import nn
 
 from moremouse_triplane.config import TriplaneConfig

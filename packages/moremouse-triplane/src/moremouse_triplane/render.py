@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from memfit.layers import checkpointed
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 # field(points (B, P, 3)) -> (sigma (B, P), rgb (B, P, 3))
 Field = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -146,10 +146,7 @@ def render_rays(
         sl = slice(i, min(i + chunk, R))
         jit = None if jitter is None else jitter[:, sl]
         args = (field, rays_o[:, sl], rays_d[:, sl], jit, n_samples, bbox)
-        if use_checkpoint and torch.is_grad_enabled():
-            c, a = checkpoint(_render_chunk, *args, use_reentrant=False)
-        else:
-            c, a = _render_chunk(*args)
+        c, a = checkpointed(_render_chunk, *args, enabled=use_checkpoint)
         colors.append(c)
         accs.append(a)
     if len(colors) == 1:

@@ -123,6 +123,12 @@ def _make_data(argv: list[str] | None = None) -> object:
     return export_main(argv)
 
 
+def _build_model(cfg: TriplaneConfig) -> torch.nn.Module:
+    from moremouse_triplane.model import build_model
+
+    return build_model(cfg)
+
+
 SYSTEM = System(
     name="moremouse-triplane",
     summary="MoReMouse triplane generator: 12,288-token transformer + NeRF rendering, image -> novel views",
@@ -130,4 +136,10 @@ SYSTEM = System(
     eval=_eval,
     budgets=budget_entries,
     extra_commands={"make-data": _make_data},
+    config_cls=TriplaneConfig,
+    build_model=_build_model,
 )
+
+# The package's console aliases (pyproject [project.scripts]): exit 0 on success, 2 on bad input.
+train_cli = SYSTEM.command("train")
+eval_cli = SYSTEM.command("eval")

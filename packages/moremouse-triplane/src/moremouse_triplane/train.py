@@ -1,7 +1,7 @@
 """`mouse-train`: train the triplane generator on generated mice (default) or a folder of renders.
 
-    uv run mouse-train --preset tiny --steps 600
-    uv run mouse-train --preset tiny --data path/to/renders --resume
+    uv run mouse-train --config tiny --steps 600
+    uv run mouse-train --config tiny --data path/to/renders --resume
 
 Each step: a batch of scenes -> input images -> triplanes -> render cfg.rays_per_scene random target
 rays per scene (input view + random views) -> MSE to the true colours.
@@ -13,10 +13,14 @@ import argparse
 import sys
 
 import torch
+from memfit.config import overrides_from_args
 from memfit.training import (
     Trainer,
     add_loop_args,
+    add_model_args,
+    check_numbers,
     dist_info,
+    hidden_alias,
     loop_config_from_args,
     resolve_device,
     set_seed,
@@ -32,10 +36,10 @@ SYSTEM_NAME = "moremouse-triplane"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--preset", choices=list(PRESETS), default="tiny", help="model size (default %(default)s)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m = add_model_args(p, PRESETS, "tiny", help="model size", attention=["sdpa", "naive"])
+    hidden_alias(m, "--preset", dest="config", choices=list(PRESETS))  # old spellings
+    hidden_alias(m, "--checkpoint", dest="checkpointing", action=argparse.BooleanOptionalAction)
     p.add_argument(
         "--data", default=None, help="folder of renders (scene_*/cameras.json); default: generated mice"
     )
@@ -51,24 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rays_per_scene", type=int, default=None, help="override the preset's rays per scene")
     p.add_argument("--samples_per_ray", type=int, default=None, help="override the preset's samples per ray")
-    p.add_argument(
-        "--attention", choices=["sdpa", "naive"], default=None, help="override the preset's attention"
-    )
-    p.add_argument(
-        "--checkpoint", action=argparse.BooleanOptionalAction, default=None, help="activation checkpointing"
-    )
     add_loop_args(p, steps=600, save_every=200, log_every=20, amp="bf16")
     return p
 
 
 def config_from_args(args: argparse.Namespace) -> TriplaneConfig:
-    overrides = {
-        k: getattr(args, k)
-        for k in ("rays_per_scene", "samples_per_ray", "attention", "checkpoint")
-        if getattr(args, k) is not None
-    }
+    fields = {k: k for k in ("rays_per_scene", "samples_per_ray", "attention")}
+    overrides = overrides_from_args(args, {**fields, "checkpointing": "checkpoint"})
     try:
-        return get_config(args.preset, **overrides)
+        return get_config(args.config, **overrides)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -76,8 +71,8 @@ def config_from_args(args: argparse.Namespace) -> TriplaneConfig:
 def main(argv: list[str] | None = None) -> dict:
     """Parse flags, train, return the last metrics (see --help)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.batch_size < 1:
-        raise SystemExit("error: --batch_size must be >= 1")
+    check_numbers(args, lr=">0", weight_decay=">=0", warmup=">=0", batch_size=">=1", num_scenes=">=0")
+    check_numbers(args, schedule_steps=">=1", rays_per_scene=">=1", samples_per_ray=">=1")
     cfg = config_from_args(args)
     loop = loop_config_from_args(args, system=SYSTEM_NAME)
     device = resolve_device(loop.device)
@@ -111,17 +106,21 @@ def main(argv: list[str] | None = None) -> dict:
         get_batch,
         loop,
         scheduler=sched,
-        model_config={"preset": args.preset, "config": cfg.to_dict(), "data": args.data or "synthetic"},
+        config=cfg,
+        meta={"preset": args.config, "data": args.data or "synthetic"},
         items_per_step=B * R * loop.grad_accum,
+        system=SYSTEM_NAME,
     )
     if info.is_main:
         n = sum(p.numel() for p in model.parameters())
         print(
-            f"[mouse-train] preset {args.preset}: {n / 1e6:.2f}M params, {cfg.num_tokens} triplane tokens, "
+            f"[mouse-train] preset {args.config}: {n / 1e6:.2f}M params, {cfg.num_tokens} triplane tokens, "
             f"{R} rays x {S} samples per scene, batch {B}; runs in {loop.run_dir}"
         )
     return trainer.fit()
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mouse-train", main))

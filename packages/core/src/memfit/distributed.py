@@ -1,0 +1,55 @@
+"""Device choice and torchrun (DDP) process-group plumbing."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """'auto' -> the local CUDA device under torchrun, cuda if available, else cpu."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", dist_info().local_rank)
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise SystemExit(f"error: unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda asked for, but no CUDA GPU is available; use --device cpu")
+    return device
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def dist_info() -> DistInfo:
+    """Rank and world size from torchrun's environment (1 process without it)."""
+    return DistInfo(
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+    )
+
+
+def init_distributed(device: torch.device) -> DistInfo:
+    """Join the process group torchrun set up (gloo on CPU, NCCL on CUDA); a no-op for one process."""
+    info = dist_info()
+    if info.world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    return info

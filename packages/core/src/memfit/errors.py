@@ -1,0 +1,78 @@
+"""User-facing errors and the one wrapper every command runs under.
+
+Bad input (a path, a number, a checkpoint of another system, a full disk) is one line naming the problem
+and the fix, and exit status 2, never a traceback. Code raises ``UsageError(message)`` (a ``SystemExit``,
+so a script that calls a command's ``main`` in-process sees it too); ``run_command`` prints the line and
+turns it, and the plain ``SystemExit("message")`` of older code, into status 2. It also turns an
+``OSError`` (unwritable or missing location, no space left) into one line, and Ctrl-C into status 130.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+EXIT_USAGE = 2
+
+
+class UsageError(SystemExit):
+    """A user-facing error: one line naming the problem and the fix; exit status 2 under run_command."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def os_error_message(e: OSError) -> str:
+    """One line for an OSError: what failed, on which path, and what to do."""
+    where = f" {e.filename}" if getattr(e, "filename", None) else ""
+    reason = e.strerror or str(e)
+    if e.errno == errno.ENOSPC:
+        return f"no space left on the device writing{where}; free some space or choose another location"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write{where}: {reason}; choose a writable location (--runs_dir / --out)"
+    if e.errno in (errno.ENOTDIR, errno.ENOENT):
+        return f"{reason}:{where}; check the path (a folder cannot be created under a file)"
+    return f"{reason}:{where}; check the path and free space"
+
+
+def run_command(prog: str, fn: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> int:
+    """Run a command's main(argv); return its exit status: 0 on success (main may return a result such
+    as a metrics dict; only an int is taken as a status), 2 on a user error, 128 + N on signal N."""
+    try:
+        result = fn(argv)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        message = str(e.code)
+        if message.startswith("error:"):
+            message = f"{prog}: {message}"
+        print(message, file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"{prog}: error: {os_error_message(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return result if isinstance(result, int) and not isinstance(result, bool) else 0
+
+
+def console(fn: Callable[[list[str] | None], Any], prog: str | None = None) -> Callable[..., int]:
+    """A console-script entry point for fn: `sys.exit(entry())` gives 0 on success, 2 on a user error.
+
+    prog defaults to the name the script was started by (e.g. `mbsnet-train`).
+    """
+
+    def entry(argv: list[str] | None = None) -> int:
+        return run_command(prog or os.path.basename(sys.argv[0]), fn, argv)
+
+    entry.__name__ = entry.__qualname__ = f"{fn.__name__}_console"
+    entry.__doc__ = fn.__doc__
+    return entry

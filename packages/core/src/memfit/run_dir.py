@@ -1,0 +1,157 @@
+"""The run folder: what `train` may do with runs/<system>/<run_name>/.
+
+- A folder that already holds a run (checkpoints or metrics) is continued only with ``--resume``,
+  replaced only with ``--overwrite``; otherwise `train` refuses, naming both and ``--run_name``.
+- ``.lock`` holds the pid of the live trainer; a second trainer is refused while that pid lives, and a
+  lock left by a dead process is taken over.
+- On resume, metrics rows after the resumed step are dropped, so a run's metrics.jsonl has one row per
+  step however often it was interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from memfit.checkpoint import BEST_NAME, list_checkpoints
+from memfit.errors import UsageError, os_error_message
+
+LOCK_NAME = ".lock"
+METRICS_NAME = "metrics.jsonl"
+
+
+def resolve_run(run: str | Path | None, system: str, runs_dir: str | Path = "runs") -> Path:
+    """The run folder or checkpoint file `run` names: None -> runs_dir/system/run; an existing path as is;
+    a bare name -> runs_dir/system/name (what `train --run_name name` wrote)."""
+    base = Path(runs_dir) / system
+    if run is None:
+        return base / "run"
+    path = Path(run)
+    if path.exists():
+        return path
+    if len(path.parts) == 1 and (base / path).exists():
+        return base / path
+    raise UsageError(
+        f"error: no run {str(run)!r}: no such path and no run of that name in {base}; "
+        "train first, or pass --run RUN_NAME or a run folder / checkpoint path"
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether run_dir has a previous run's checkpoints or metrics."""
+    return (
+        bool(list_checkpoints(run_dir)) or (run_dir / BEST_NAME).exists() or (run_dir / METRICS_NAME).exists()
+    )
+
+
+class RunFolder:
+    """Claims a run folder for one trainer: create, refuse or clear, lock; release() gives it back."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.lock = self.path / LOCK_NAME
+        self.locked = False
+
+    def open(self, resume: bool, overwrite: bool) -> None:
+        if resume and overwrite:
+            raise UsageError("error: --resume and --overwrite contradict each other; pick one")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(
+                f"error: cannot create the run folder {self.path}: {os_error_message(e)}"
+            ) from None
+        self._lock()
+        if holds_run(self.path) and not resume:
+            if overwrite:
+                self._clear()
+            else:
+                self.release()
+                ckpts = list_checkpoints(self.path)
+                what = f"checkpoints up to {ckpts[-1].name}" if ckpts else "metrics"
+                raise UsageError(
+                    f"error: {self.path} already holds a run ({what}); continue it with --resume, "
+                    "start a new one with --run_name NAME, or replace it with --overwrite"
+                )
+
+    def _lock(self) -> None:
+        for _ in range(2):
+            try:
+                fd = os.open(self.lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    pid = int(self.lock.read_text().strip() or 0)
+                except (OSError, ValueError):
+                    pid = 0
+                if pid != os.getpid() and _pid_alive(pid):
+                    raise UsageError(
+                        f"error: {self.path} is in use by another trainer (pid {pid}); wait for it to "
+                        "finish, stop it, or train into another --run_name"
+                    ) from None
+                if pid != os.getpid():
+                    print(f"[memfit] taking over the stale lock of pid {pid} in {self.path}", file=sys.stderr)
+                self.lock.unlink(missing_ok=True)
+                continue
+            except OSError as e:
+                raise UsageError(f"error: cannot write in the run folder: {os_error_message(e)}") from None
+            with os.fdopen(fd, "w") as f:
+                f.write(str(os.getpid()))
+            self.locked = True
+            return
+        raise UsageError(f"error: could not lock {self.path}; another trainer keeps taking it")
+
+    def _clear(self) -> None:
+        for p in self.path.iterdir():
+            if p.name == LOCK_NAME:
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+        print(f"[memfit] --overwrite: cleared {self.path}", file=sys.stderr)
+
+    def release(self) -> None:
+        if self.locked:
+            try:
+                if self.lock.read_text().strip() == str(os.getpid()):
+                    self.lock.unlink()
+            except OSError:
+                pass
+            self.locked = False
+
+    def truncate_metrics(self, step: int) -> int:
+        """Drop metrics rows after `step` (and unreadable ones); returns how many were dropped."""
+        path = self.path / METRICS_NAME
+        if not path.exists():
+            return 0
+        kept, dropped = [], 0
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                ok = isinstance(row, dict) and int(row.get("step", 0)) <= step
+            except (ValueError, TypeError):
+                ok = False
+            if ok:
+                kept.append(line)
+            else:
+                dropped += 1
+        if dropped:
+            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+            tmp.write_text("".join(x + "\n" for x in kept))
+            os.replace(tmp, path)
+        return dropped

@@ -1,0 +1,158 @@
+"""Runs are never lost: run-folder refusal, lock, signals, metrics on resume, fallback, disk errors."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from memfit.errors import UsageError, run_command
+from memfit.training import LoopConfig, Trainer, list_checkpoints, step_generator
+from torch import nn
+
+
+def make_batch(step, micro):
+    g = step_generator(0, step, micro)
+    x = torch.randn(16, 4, generator=g)
+    return x, x.sum(1, keepdim=True)
+
+
+def loss_fn(model, batch):
+    return (model(batch[0]) - batch[1]).pow(2).mean()
+
+
+def trainer(run_dir, steps=6, width=4, system="toy", loss=loss_fn, **loop):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, width), nn.Linear(width, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cfg = dict(steps=steps, save_every=3, keep_last=3, log_every=1, amp="none", progress=False, device="cpu")
+    cfg.update(loop)
+    return Trainer(model, opt, loss, make_batch, LoopConfig(run_dir=str(run_dir), **cfg), system=system)
+
+
+def metric_steps(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if "loss" in r]
+
+
+def test_existing_run_needs_resume_or_overwrite(tmp_path):
+    trainer(tmp_path, steps=6).fit()
+    before = {p.name: p.read_bytes() for p in list_checkpoints(tmp_path)}
+    with pytest.raises(UsageError) as e:
+        trainer(tmp_path, steps=3)
+    msg = str(e.value)
+    assert "\n" not in msg and all(f in msg for f in ("--resume", "--run_name", "--overwrite"))
+    assert {p.name: p.read_bytes() for p in list_checkpoints(tmp_path)} == before  # nothing touched
+    assert not (tmp_path / ".lock").exists()
+    t = trainer(tmp_path, steps=3, overwrite=True)
+    assert t.step == 0 and not list_checkpoints(tmp_path) and not (tmp_path / "metrics.jsonl").exists()
+    t.fit()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt_0000003.pt"]
+    assert metric_steps(tmp_path) == [1, 2, 3]
+
+
+def test_lock_refuses_a_live_trainer_and_takes_over_a_stale_lock(tmp_path, capsys):
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        tmp_path.mkdir(exist_ok=True)
+        (tmp_path / ".lock").write_text(str(live.pid))
+        with pytest.raises(UsageError, match=f"in use by another trainer \\(pid {live.pid}\\)"):
+            trainer(tmp_path)
+    finally:
+        live.kill()
+        live.wait()
+    (tmp_path / ".lock").write_text(str(live.pid))  # that process is gone now: a stale lock
+    t = trainer(tmp_path)
+    assert (tmp_path / ".lock").read_text() == str(os.getpid())
+    assert "stale lock" in capsys.readouterr().err
+    t.fit()
+    assert not (tmp_path / ".lock").exists()
+
+
+@pytest.mark.parametrize("signum,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_saves_a_checkpoint_and_exits_with_128_plus_signal(tmp_path, capsys, signum, status):
+    def interrupting_loss(model, batch):
+        if t.step == 4:  # mid-step 5: the step finishes, then the loop saves and stops
+            os.kill(os.getpid(), signum)
+        return loss_fn(model, batch)
+
+    t = trainer(tmp_path, steps=10, loss=interrupting_loss)
+    with pytest.raises(SystemExit) as e:
+        t.fit()
+    assert e.value.code == status
+    assert list_checkpoints(tmp_path)[-1].name == "ckpt_0000005.pt"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "step 5 of 10" in err[-1] and "--resume" in err[-1]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    resumed = trainer(tmp_path, steps=10, resume=True)
+    assert resumed.step == 5
+    resumed.fit()
+    assert metric_steps(tmp_path) == list(range(1, 11))
+
+
+def test_resume_drops_later_metrics_and_falls_back_to_an_intact_checkpoint(tmp_path, capsys):
+    trainer(tmp_path, steps=8).fit()  # checkpoints 3, 6, 8
+    (tmp_path / "ckpt_0000008.pt").write_bytes(b"truncated")
+    t = trainer(tmp_path, steps=8, resume=True)
+    assert t.step == 6
+    err = capsys.readouterr().err
+    assert "skipped unreadable ckpt_0000008.pt" in err
+    assert metric_steps(tmp_path) == [1, 2, 3, 4, 5, 6]  # rows of steps 7, 8 (and the peak row) dropped
+    t.fit()
+    assert metric_steps(tmp_path) == list(range(1, 9))  # no duplicates
+    for p in list_checkpoints(tmp_path):
+        p.write_bytes(b"")
+    with pytest.raises(UsageError, match="no intact checkpoint"):
+        trainer(tmp_path, steps=8, resume=True)
+
+
+def test_resume_with_another_system_or_config_is_one_line(tmp_path):
+    trainer(tmp_path, steps=3).fit()
+    with pytest.raises(UsageError, match="is a toy checkpoint, not other"):
+        trainer(tmp_path, steps=6, system="other", resume=True)
+    with pytest.raises(UsageError) as e:
+        trainer(tmp_path, steps=6, width=8, resume=True)
+    assert "another model config" in str(e.value) and "--config" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_full_disk_leaves_no_temp_file_and_is_one_line(tmp_path, monkeypatch):
+    def full(obj, f):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    t = trainer(tmp_path, steps=3)
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(UsageError, match="no space left"):
+        t.fit()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no .tmp, lock released
+
+
+def test_unwritable_run_folder_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="cannot create the run folder"):
+        trainer(tmp_path / "file" / "run")
+    with pytest.raises(UsageError, match="cannot create the run folder"):
+        trainer("/proc/memfit-no/run")
+
+
+def test_run_command_exit_status_and_one_line(capsys):
+    assert run_command("x", lambda argv: {"loss": 1.0}) == 0  # a result, not an exit status
+
+    def bad(argv):
+        raise UsageError("error: --lr must be > 0, got 0")
+
+    assert run_command("x-train", bad) == 2
+    assert capsys.readouterr().err == "x-train: error: --lr must be > 0, got 0\n"
+
+    def unwritable(argv):
+        Path("/proc/memfit-nope/out.json").write_text("{}")
+
+    assert run_command("x-eval", unwritable) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "/proc/memfit-nope/out.json" in err
+    assert run_command("x", lambda argv: (_ for _ in ()).throw(SystemExit(130))) == 130

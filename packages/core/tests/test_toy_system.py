@@ -1,0 +1,158 @@
+"""A fifth system, defined here and registered through the contract alone (docs/adding-a-system.md):
+config dataclass + presets (memfit.config), the shared flags (memfit.flags), the Trainer, one
+checkpoint schema and System.load_model. It trains end to end through `train`, evaluates through
+`eval`, resumes, and refuses bad input like the four real systems do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+from memfit import cli
+from memfit.config import get_config, overrides_from_args
+from memfit.flags import (
+    add_eval_args,
+    add_loop_args,
+    add_model_args,
+    apply_threads,
+    check_numbers,
+    eval_out_dir,
+    loop_config_from_args,
+)
+from memfit.layers import checkpointed
+from memfit.loop import Trainer, step_generator
+from memfit.run_dir import resolve_run
+from memfit.system import System, available_systems, register, unregister
+from torch import nn
+
+NAME = "toy-regression"
+TRUE_W = torch.linspace(-1, 1, 4)
+
+
+@dataclass
+class ToyConfig:
+    width: int = 16
+    checkpoint: bool = False
+
+
+PRESETS = {"tiny": ToyConfig(width=8), "small": ToyConfig(width=32)}
+
+
+class ToyModel(nn.Module):
+    def __init__(self, cfg: ToyConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.body = nn.Sequential(nn.Linear(4, cfg.width), nn.Tanh(), nn.Linear(cfg.width, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpointed(self.body, x, enabled=self.cfg.checkpoint).squeeze(-1)
+
+
+def batch(seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = step_generator(seed, step)
+    x = torch.randn(64, 4, generator=g)
+    return x, x @ TRUE_W
+
+
+def mse(model: nn.Module, seed: int = 999) -> float:
+    x, y = batch(seed, 0)
+    with torch.no_grad():
+        return (model(x) - y).pow(2).mean().item()
+
+
+def train_main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser()
+    add_model_args(p, PRESETS, "tiny")
+    p.add_argument("--lr", type=float, default=0.05)
+    add_loop_args(p, steps=40, log_every=5, save_every=10)
+    args = p.parse_args(argv)
+    check_numbers(args, lr=">0")
+    cfg = get_config(PRESETS, args.config, **overrides_from_args(args, {"checkpointing": "checkpoint"}))
+    loop = loop_config_from_args(args, NAME)
+    torch.manual_seed(loop.seed)
+    model = ToyModel(cfg)
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=args.lr),
+        lambda m, b: (m(b[0]) - b[1]).pow(2).mean(),
+        lambda step, micro: batch(loop.seed, step),
+        loop,
+        eval_fn=lambda m: {"val_mse": mse(m)},
+        eval_every=10,
+        best_metric="val_mse",
+        best_mode="min",
+        config=cfg,
+        meta={"preset": args.config},
+        system=NAME,
+    )
+    return trainer.fit()
+
+
+def eval_main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser()
+    add_eval_args(p, NAME)
+    args = p.parse_args(argv)
+    apply_threads(args)
+    run = resolve_run(args.run, NAME, args.runs_dir)
+    out = eval_out_dir(args, run)
+    model, state = SYSTEM.load_model(run, "cpu")
+    result = {"mse": mse(model), "step": state["step"], "preset": state["meta"]["preset"]}
+    (out / "eval.json").write_text(json.dumps(result))
+    return result
+
+
+SYSTEM = System(
+    name=NAME,
+    summary="a linear regression with a hidden layer: the contract's smallest user",
+    train=train_main,
+    eval=eval_main,
+    config_cls=ToyConfig,
+    build_model=ToyModel,
+)
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    monkeypatch.delenv("MEMFIT_SYSTEM", raising=False)
+    register(SYSTEM)
+    yield SYSTEM
+    unregister(NAME)
+
+
+def _rows(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_toy_system_trains_evaluates_and_resumes_through_the_contract(toy, tmp_path, capsys):
+    assert NAME in available_systems()
+    runs = ["--runs_dir", str(tmp_path), "--no_progress", "--amp", "none"]
+    torch.manual_seed(0)
+    untrained = mse(ToyModel(PRESETS["tiny"]))
+    cli.train_main(["--system", NAME, *runs, "--steps", "20", "--run_name", "r", "--checkpointing"])
+    run = tmp_path / NAME / "r"
+    assert (run / "best.pt").exists() and (run / "ckpt_0000020.pt").exists()
+
+    cli.eval_main(["--system", NAME, "--run", "r", "--runs_dir", str(tmp_path)])  # by name, as trained
+    result = json.loads((run / "eval" / "eval.json").read_text())
+    assert result["mse"] < 0.5 * untrained and result["preset"] == "tiny"
+    best = [r for r in _rows(run / "metrics.jsonl") if "best_step" in r][-1]
+    assert result["step"] == best["best_step"]  # eval used best.pt
+    assert result["mse"] == pytest.approx(best["best/val_mse"], rel=1e-6)
+
+    cli.train_main(["--system", NAME, *runs, "--steps", "30", "--run_name", "r", "--resume"])
+    steps = [r["step"] for r in _rows(run / "metrics.jsonl") if "loss" in r]
+    assert steps == list(range(5, 31, 5))  # one row per logged step, none duplicated
+
+    with pytest.raises(SystemExit) as e:  # the same run again, without --resume
+        cli.train_main(["--system", NAME, *runs, "--steps", "30", "--run_name", "r"])
+    assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.train_main(["--system", NAME, *runs, "--lr", "0", "--run_name", "s"])
+    assert e.value.code == 2 and "--lr must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a checkpoint of this system, another config
+        cli.train_main(["--system", NAME, *runs, "--config", "small", "--run_name", "r", "--resume"])
+    assert e.value.code == 2 and "width 8 -> 32" in capsys.readouterr().err
