@@ -252,6 +252,13 @@ def _chunk_states(dt, dtu, At2, Bc, bc, h0, decay, H):
         H[:, t].addcmul_(decay[:, t], H[:, t - 1])
 
 
+def _head(buf: torch.Tensor, T: int) -> torch.Tensor:
+    """The first T steps of a (batch, T_max, N, dim) chunk buffer as a contiguous (batch, T, N, dim) tensor
+    (a shorter last chunk must not be a strided slice: ops writing into one would allocate a copy)."""
+    b, _, N, dim = buf.shape
+    return buf.view(-1)[: b * T * N * dim].view(b, T, N, dim)
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
@@ -287,7 +294,7 @@ class _ChunkedScan(torch.autograd.Function):
             h = None
             for c in _chunks(n_chunks, _is_fake(u)):
                 s, e = c * T, min(L, (c + 1) * T)
-                decay, H = decay_buf[:, : e - s], H_buf[:, : e - s]
+                decay, H = _head(decay_buf, e - s), _head(H_buf, e - s)
                 _, dt = _chunk_delta(delta, delta_bias, delta_softplus, s, e, cd)
                 dtu = dt * _chunk_of(u, s, e, cd)
                 _chunk_states(dt, dtu, At2, Bb.chunk(s, e), Bb, h, decay, H)
@@ -340,7 +347,7 @@ class _ChunkedScan(torch.autograd.Function):
             carry = dlast.to(cd).transpose(1, 2) if dlast is not None else None
             for c in reversed(_chunks(n_chunks, _is_fake(u))):
                 s, e = c * T, min(L, (c + 1) * T)
-                decay, H, Gs = (b[:, : e - s] for b in (decay_buf, H_buf, G_buf))
+                decay, H, Gs = (_head(b, e - s) for b in (decay_buf, H_buf, G_buf))
                 Bc, Cc = Bb.chunk(s, e), Cb.chunk(s, e)
                 h0 = starts[c - 1] if c > 0 else None
                 raw, dt = _chunk_delta(delta, delta_bias, ctx.delta_softplus, s, e, cd)
