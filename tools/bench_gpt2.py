@@ -2,6 +2,8 @@
 
     uv run python tools/bench_gpt2.py memory    # estimated peaks of d12 causal / window / fp32 / seed
                                                 # + estimate vs measured for each small calibration step
+    uv run python tools/bench_gpt2.py speed     # training-step time at nanoGPT's CPU config: our causal
+                                                # and window-16 models vs tools/nanogpt_ref.py (1 thread)
     OMP_NUM_THREADS=1 uv run python tools/bench_gpt2.py quality [--data tinyshakespeare.txt]
                                                 # 2000 iterations of nanoGPT's shakespeare_char CPU config,
                                                 # then validation loss over 200 batches and tokens/s
@@ -52,6 +54,62 @@ def bench_memory() -> None:
     print(f"seed baseline - causal = {(peak['window-seed'] - peak['causal']) / 2**20:.0f} MiB")
 
 
+def bench_speed(threads: int, repeat: int, steps: int, window: int) -> dict:
+    """Median seconds per training step (fwd, loss, bwd, AdamW) of three models, rounds alternated."""
+    import statistics
+    import sys
+
+    import torch
+    from gpt2_window.config import preset
+    from gpt2_window.model import GPT
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from nanogpt_ref import RefGPT
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    vocab, B, T = 65, 12, 64
+    models = {
+        "nanoGPT-equivalent (tools/nanogpt_ref.py)": RefGPT(vocab),
+        "gpt2-window causal (tiny)": GPT(preset("tiny", vocab_size=vocab)),
+        f"gpt2-window window {window} (tiny_window)": GPT(
+            preset("tiny_window", vocab_size=vocab, window=window)
+        ),
+    }
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, vocab, (2, B, T), generator=g)
+
+    def run(name: str, n: int) -> float:
+        m, opt = models[name], opts[name]
+        t = time.perf_counter()
+        for _ in range(n):
+            _, loss = m(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return (time.perf_counter() - t) / n
+
+    names = list(models)
+    for n in names:
+        run(n, 3)  # warm-up
+    times = {n: [] for n in names}
+    for r in range(repeat):
+        for n in names if r % 2 == 0 else names[::-1]:
+            times[n].append(run(n, steps))
+    ref = statistics.median(times[names[0]])
+    causal = statistics.median(times[names[1]])
+    print(f"training step, batch {B} x {T}, 4 layers x 4 heads x 128, fp32, {threads} thread(s), median of "
+          f"{repeat} alternated rounds of {steps} steps")  # fmt: skip
+    out = {}
+    for n in names:
+        t = statistics.median(times[n])
+        out[n] = {"ms_per_step": 1e3 * t, "vs_nanogpt": t / ref, "vs_causal": t / causal}
+        print(f"  {n:45s} {1e3 * t:7.2f} ms/step  {t / ref:5.2f}x nanoGPT  {t / causal:5.2f}x our causal")
+    print("  goals: causal <= 1.05x nanoGPT-equivalent, window <= 1.05x nanoGPT-equivalent")
+    return out
+
+
 def bench_quality(data: Path, runs_dir: str, amp: str, model: str, seed: int) -> None:
     from gpt2_window.eval import run as eval_run
     from gpt2_window.train import run as train_run
@@ -95,6 +153,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
     sub.add_parser("memory")
+    sp = sub.add_parser("speed")
+    sp.add_argument("--threads", type=int, default=1)
+    sp.add_argument("--repeat", type=int, default=7, help="alternated rounds (median)")
+    sp.add_argument("--steps", type=int, default=10, help="steps per round")
+    sp.add_argument("--window", type=int, default=16)
     q = sub.add_parser("quality")
     q.add_argument("--data", type=Path, default=SHAKESPEARE)
     q.add_argument("--runs_dir", default="runs")
@@ -104,6 +167,8 @@ def main() -> None:
     args = p.parse_args()
     if args.what == "memory":
         bench_memory()
+    elif args.what == "speed":
+        bench_speed(args.threads, args.repeat, args.steps, args.window)
     else:
         bench_quality(args.data, args.runs_dir, args.amp, args.model, args.seed)
 

@@ -1,143 +1,211 @@
-"""Selective scan training step (forward + backward of the scan alone): memory and time, CPU.
+"""Selective scan training step (forward + backward of the scan alone): time and memory, CPU, fp32.
 
-    uv run python tools/bench_scan.py                 # batch 60, L 200, dim 256, N 16, fp32 (issue's size)
-    uv run python tools/bench_scan.py --quick         # batch 8, L 64: seconds
-    uv run python tools/bench_scan.py --seed          # also the seed's (B, L, D, N) scan (minutes: its
-                                                      # per-step indexing makes backward quadratic in L)
-    uv run python tools/bench_scan.py --chunks 8,16,32,64 --json scan.json
+    uv run python tools/bench_scan.py                  # the three sizes of issue 13, 1 thread
+    uv run python tools/bench_scan.py --with-ref       # also mamba_ssm's selective_scan_ref at every size
+    uv run python tools/bench_scan.py --quick          # one small size, seconds
+    uv run python tools/bench_scan.py --sizes 60x256x200x16 --threads 2 --repeat 7 --json scan.json
 
-Rows: ``selective_scan`` (chunked, recomputing; one row per chunk size), ``selective_scan_ref``
-(mamba_ssm's reference: materialises (B, D, L, N)), and optionally ``seed`` (the MBS-Net seed's
-materialising scan in (B, L, D, N) layout, stepping with ``A_bar[:, t]``). Peak = tensor memory
-allocated inside forward + backward (``memfit.memory.measure_peak``: output, saved tensors,
-temporaries, the input gradients and the inputs themselves). Time = best of ``--repeat``
-wall-clock runs (CPU seconds of this process beside it, which load from other processes distorts less).
-Every ratio is taken within the run, against ``selective_scan_ref``. Mamba's setting: B/C per step,
-D, z, delta_bias and softplus.
+Rows per size (batch B, dim D, length L, state N):
+
+* ``selective_scan``: memfit's chunked recomputing Mamba-1 scan (A is (D, N): every state entry has
+  its own decay), auto chunk size.
+* ``ssd (Mamba-2)``: tools/ssd_reference.py, our plain re-implementation of Mamba-2's chunked SSD on
+  the same data seen as heads of 64 channels (A one scalar per head, B/C shared by the heads, dt per
+  head); D and the z gate included. It does less arithmetic than a Mamba-1 scan (no per-entry decays),
+  which is why it is the bar. Its chunk length is the fastest of a few (Mamba-2's default 64, 32, and a
+  divisor of L near 32), each shown; the ratio uses the fastest.
+* ``selective_scan_ref``: mamba_ssm's materialising reference: one timed run, and by default only at
+  small sizes (``--quick``); ``--with-ref`` adds it at every size (minutes each).
+
+Inputs are laid out as a Mamba block passes them (u contiguous (B, D, L); delta and z transposed views
+of (B, L, D) projections; ``--contiguous`` makes them all contiguous (B, D, L)). Time: median wall
+seconds of ``--repeat`` runs, the candidates alternated within each repeat (CPU seconds of this
+process beside it). Peak: tensor memory allocated inside forward + backward, inputs included
+(``memfit.memory.measure_peak``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from memfit.memory import measure_peak
 from memfit.ssm import auto_chunk_size, selective_scan, selective_scan_ref
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ssd_reference import ssd_scan  # noqa: E402
 
-def seed_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False):
-    """The seed's materialising scan: (batch, L, dim, N) A_bar and B_bar, one indexed step at a time."""
-    x, dt = u.transpose(1, 2), delta.transpose(1, 2)  # (batch, L, dim)
-    if delta_bias is not None:
-        dt = dt + delta_bias
-    if delta_softplus:
-        dt = F.softplus(dt)
-    B_ssm, C_ssm = B.transpose(1, 2), C.transpose(1, 2)  # (batch, L, N)
-    dt_A = dt.unsqueeze(-1) * A  # (batch, L, dim, N)
-    A_bar = torch.exp(dt_A)
-    B_bar = dt.unsqueeze(-1) * B_ssm.unsqueeze(2)
-    h = x.new_zeros(x.shape[0], x.shape[2], A.shape[1])
-    ys = []
-    for t in range(x.shape[1]):
-        h = A_bar[:, t] * h + B_bar[:, t] * x[:, t].unsqueeze(-1)
-        ys.append((h * C_ssm[:, t].unsqueeze(1)).sum(-1))
-    y = torch.stack(ys, dim=1)
-    if D is not None:
-        y = y + x * D
-    if z is not None:
-        y = y * F.silu(z.transpose(1, 2))
-    return y.transpose(1, 2)
+SIZES = [(60, 256, 200, 16), (1, 1536, 512, 16), (1, 1536, 2048, 16)]
+HEAD_DIM = 64
+REF_MAX_ELEMENTS = 4 * 2**20  # selective_scan_ref runs by default only up to this B*D*L*N (--quick)
+# issue 13's side-by-side, fp32 fwd+bwd, 1 thread (seconds / MiB), as measured there before this work
+ANCHORS = {
+    (60, 256, 200, 16): "memfit 1.11 s/114 MiB, selective_scan_ref 66 s/1216 MiB, "
+    "mamba.py pscan 9.0 s/2061 MiB, ssd_minimal 0.25 s/165 MiB",
+    (1, 1536, 512, 16): "memfit 0.18 s/22 MiB, selective_scan_ref 41.5 s/400 MiB, pscan 1.35 s/399 MiB, "
+    "ssd_minimal 0.045 s/42 MiB",
+    (1, 1536, 2048, 16): "memfit 1.06 s/76 MiB, selective_scan_ref 469 s/1608 MiB, pscan 8.0 s/1596 MiB, "
+    "ssd_minimal 0.28 s/174 MiB",
+}
 
 
-def make_inputs(batch: int, dim: int, L: int, N: int, seed: int = 0) -> list[torch.Tensor]:
+def make_inputs(batch, dim, L, N, contiguous=False, seed=0) -> dict[str, torch.Tensor]:
+    """Mamba-1 scan inputs (Mamba's S4D-real A, softplus dt around 0.1) as leaves needing gradients."""
     g = torch.Generator().manual_seed(seed)
-    u = torch.randn(batch, dim, L, generator=g)
-    delta = torch.randn(batch, dim, L, generator=g) * 0.5 - 1.0
-    A = -torch.arange(1, N + 1, dtype=torch.float32).repeat(dim, 1)  # Mamba's S4D-real init
-    B = torch.randn(batch, N, L, generator=g)
-    C = torch.randn(batch, N, L, generator=g)
-    D = torch.ones(dim)
-    z = torch.randn(batch, dim, L, generator=g)
-    delta_bias = torch.rand(dim, generator=g) * -4
-    return [t.requires_grad_() for t in (u, delta, A, B, C, D, z, delta_bias)]
+
+    def per_step(scale=1.0, shift=0.0):  # (B, D, L), from a (B, L, D) tensor unless contiguous
+        x = torch.randn(batch, L, dim, generator=g) * scale + shift
+        return x.transpose(1, 2).contiguous() if contiguous else x.transpose(1, 2)
+
+    return {
+        "u": torch.randn(batch, dim, L, generator=g).requires_grad_(),
+        "delta": per_step(0.5, -1.0).detach().requires_grad_(),
+        "A": (-torch.arange(1, N + 1, dtype=torch.float32).repeat(dim, 1)).requires_grad_(),
+        "B": torch.randn(batch, N, L, generator=g).requires_grad_(),
+        "C": torch.randn(batch, N, L, generator=g).requires_grad_(),
+        "D": torch.ones(dim).requires_grad_(),
+        "z": per_step().detach().requires_grad_(),
+        "delta_bias": (torch.rand(dim, generator=g) * -4).requires_grad_(),
+    }
 
 
-def train_step(fn, inputs) -> None:
-    u, delta, A, B, C, D, z, delta_bias = inputs
-    out = fn(u, delta, A, B, C, D, z, delta_bias, True)
-    out.square().mean().backward()
-    for t in inputs:
-        t.grad = None
+def ssd_inputs(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The same data for Mamba-2: heads of HEAD_DIM channels, one A and one dt per head."""
+    dim = inputs["u"].shape[1]
+    H = max(1, dim // HEAD_DIM)
+    g = torch.Generator().manual_seed(1)
+    delta = inputs["delta"].detach()
+    return {
+        "u": inputs["u"].detach().clone().requires_grad_(),
+        "delta_h": delta.unflatten(1, (H, -1))[:, :, 0].transpose(1, 2).contiguous().requires_grad_(),
+        "A_h": (-torch.rand(H, generator=g) * 15 - 1).requires_grad_(),
+        "B": inputs["B"].detach().clone().requires_grad_(),
+        "C": inputs["C"].detach().clone().requires_grad_(),
+        "D": inputs["D"].detach().clone().requires_grad_(),
+        "z": inputs["z"].detach().clone().requires_grad_(),
+        "bias_h": inputs["delta_bias"].detach().unflatten(0, (H, -1))[:, 0].clone().requires_grad_(),
+    }
 
 
-def bench(name, fn, inputs, repeat: int) -> dict:
-    train_step(fn, inputs)  # warm-up
-    wall, cpu = [], []
-    for _ in range(repeat):
-        w0, c0 = time.perf_counter(), time.process_time()
-        train_step(fn, inputs)
-        wall.append(time.perf_counter() - w0)
-        cpu.append(time.process_time() - c0)
-    with measure_peak("cpu", existing=inputs) as m:
-        train_step(fn, inputs)
-    return {"name": name, "peak_mib": m.peak_mib, "time_s": min(wall), "cpu_s": min(cpu)}
+def ssd_layer(t: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
+    """Mamba-2's scan on (B, D, L) data: dt = softplus(delta + bias) per head, SSD, + D u, * silu(z)."""
+    u = t["u"]
+    batch, dim, L = u.shape
+    H = t["A_h"].shape[0]
+    dt = F.softplus(t["delta_h"] + t["bias_h"])  # (B, L, H)
+    x = (u.transpose(1, 2).unflatten(2, (H, -1)) * dt.unsqueeze(-1)).contiguous()  # (B, L, H, P)
+    a = dt * t["A_h"]
+    Bs, Cs = t["B"].transpose(1, 2), t["C"].transpose(1, 2)  # (B, L, N)
+    pad = -L % chunk
+    if pad:
+        x, a = F.pad(x, (0, 0, 0, 0, 0, pad)), F.pad(a, (0, 0, 0, pad))
+        Bs, Cs = F.pad(Bs, (0, 0, 0, pad)), F.pad(Cs, (0, 0, 0, pad))
+    y, _ = ssd_scan(x, a, Bs, Cs, chunk=chunk)
+    y = y[:, :L].flatten(2).transpose(1, 2)  # (B, D, L)
+    return (y + u * t["D"][:, None]) * F.silu(t["z"])
+
+
+def mamba1(fn):
+    def step(t):
+        return fn(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"], t["delta_bias"], True)
+
+    return step
+
+
+def train_step(fn, t: dict[str, torch.Tensor]) -> None:
+    fn(t).square().mean().backward()
+    for v in t.values():
+        v.grad = None
+
+
+def ssd_chunks(L: int) -> list[int]:
+    near32 = max(c for c in range(1, 33) if L % c == 0)
+    return sorted({64, 32, near32} if near32 >= 16 else {64, 32})
+
+
+def bench_size(size, args) -> list[dict]:
+    batch, dim, L, N = size
+    inputs = make_inputs(batch, dim, L, N, contiguous=args.contiguous)
+    s_in = ssd_inputs(inputs)
+    cands = [("selective_scan", mamba1(selective_scan), inputs)]
+    cands += [(f"ssd (Mamba-2) chunk {c}", lambda t, c=c: ssd_layer(t, c), s_in) for c in ssd_chunks(L)]
+    if args.with_ref or batch * dim * L * N <= REF_MAX_ELEMENTS:
+        cands.append(("selective_scan_ref", mamba1(selective_scan_ref), inputs))
+    for name, fn, t in cands:
+        if name != "selective_scan_ref":
+            train_step(fn, t)  # warm-up
+    times = {name: [] for name, _, _ in cands}
+    cpus = {name: [] for name, _, _ in cands}
+    for r in range(args.repeat):
+        for name, fn, t in cands if r % 2 == 0 else cands[::-1]:
+            if name == "selective_scan_ref" and r >= 1:
+                continue  # one timed run is enough for the slow reference
+            w0, c0 = time.perf_counter(), time.process_time()
+            train_step(fn, t)
+            times[name].append(time.perf_counter() - w0)
+            cpus[name].append(time.process_time() - c0)
+    rows = []
+    for name, fn, t in cands:
+        with measure_peak("cpu", existing=list(t.values())) as m:
+            train_step(fn, t)
+        rows.append({"name": name, "time_s": statistics.median(times[name]),
+                     "cpu_s": statistics.median(cpus[name]), "peak_mib": m.peak_mib})  # fmt: skip
+    ssd = min((r for r in rows if r["name"].startswith("ssd")), key=lambda r: r["time_s"])
+    ours = rows[0]
+    print(f"\nB{batch} D{dim} L{L} N{N}  (selective_scan chunk {auto_chunk_size(batch, dim, L, N)})")
+    print(f"  {'scan':28s} {'time s':>8s} {'cpu s':>8s} {'peak MiB':>9s} {'time/ssd':>9s} {'mem/ssd':>8s}")
+    for r in rows:
+        r["time_vs_ssd"], r["mem_vs_ssd"] = r["time_s"] / ssd["time_s"], r["peak_mib"] / ssd["peak_mib"]
+        print(f"  {r['name']:28s} {r['time_s']:8.3f} {r['cpu_s']:8.3f} {r['peak_mib']:9.1f} "
+              f"{r['time_vs_ssd']:8.2f}x {r['mem_vs_ssd']:7.2f}x")  # fmt: skip
+    print(f"  ours / fastest SSD: time {ours['time_vs_ssd']:.2f}x (target <= 2), "
+          f"memory {ours['mem_vs_ssd']:.2f}x (target <= 1)")  # fmt: skip
+    print(f"  issue 13's anchors (before this work): {ANCHORS.get(size, '-')}")
+    return rows
+
+
+def parse_size(text: str) -> tuple[int, int, int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(text)
+    return tuple(int(p) for p in parts)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=60)
-    p.add_argument("--length", type=int, default=200)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--state", type=int, default=16)
-    p.add_argument("--chunks", default="auto", help="comma-separated chunk sizes; auto = the default")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    p.add_argument("--quick", action="store_true", help="batch 8, L 64, one repeat")
-    p.add_argument("--seed", action="store_true", help="also the seed's (B, L, D, N) scan (slow)")
+    p.add_argument("--sizes", help="comma-separated BxDxLxN (default: the three of issue 13)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--with-ref", action="store_true", help="selective_scan_ref at every size (minutes)")
+    p.add_argument("--contiguous", action="store_true", help="contiguous (B, D, L) delta and z")
+    p.add_argument("--quick", action="store_true", help="one small size, 3 repeats")
     p.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     args = p.parse_args(argv)
-    if args.quick:
-        args.batch, args.length, args.repeat = 8, 64, 1
-        if args.chunks == "auto":  # auto picks 64 at this small size (memory does not matter there)
-            args.chunks = "auto,8"
     try:
-        auto = auto_chunk_size(args.batch, args.dim, args.length, args.state)
-        chunks = [auto if c == "auto" else int(c) for c in args.chunks.split(",")]
-    except ValueError:
-        raise SystemExit(f"--chunks must be comma-separated integers, got {args.chunks!r}") from None
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    inputs = make_inputs(args.batch, args.dim, args.length, args.state)
-    print(
-        f"selective scan fwd+bwd: batch {args.batch}, L {args.length}, dim {args.dim}, N {args.state}, fp32, "
-        f"CPU, {torch.get_num_threads()} threads"
-    )
-    rows = [bench("selective_scan_ref", selective_scan_ref, inputs, args.repeat)]
-    for c in chunks:
-        fn = lambda *a, c=c: selective_scan(*a, chunk_size=c)  # noqa: E731
-        label = f"selective_scan chunk={c}" + (" (auto)" if c == auto else "")
-        rows.append(bench(label, fn, inputs, args.repeat))
-    if args.seed:
-        rows.append(bench("seed (B, L, D, N)", seed_scan, inputs, args.repeat))
-    ref = rows[0]
-    print(f"{'scan':33s} {'peak MiB':>9s} {'time s':>8s} {'cpu s':>8s} {'ref/peak':>9s} {'time/ref':>9s}")
-    for r in rows:
-        r["memory_ratio"] = ref["peak_mib"] / r["peak_mib"]
-        r["time_ratio"] = r["time_s"] / ref["time_s"]
-        r["cpu_ratio"] = r["cpu_s"] / ref["cpu_s"]
-        print(
-            f"{r['name']:33s} {r['peak_mib']:9.1f} {r['time_s']:8.3f} {r['cpu_s']:8.3f} "
-            f"{r['memory_ratio']:8.2f}x {r['time_ratio']:8.2f}x"
-        )
-    print("targets: selective_scan >= 6x less memory than selective_scan_ref, time <= 1.0x")
+        args.sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
+    except ValueError as e:
+        print(f"bench_scan: --sizes wants BxDxLxN with positive integers, e.g. 60x256x200x16; got {e}")
+        raise SystemExit(2) from None
+    if args.repeat < 1 or args.threads < 1:
+        print("bench_scan: --repeat and --threads must be at least 1")
+        raise SystemExit(2)
+    if args.quick:
+        args.sizes, args.repeat = [(8, 128, 64, 16)], 3
+    torch.set_num_threads(args.threads)
+    sizes = args.sizes or SIZES
+    layout = "contiguous" if args.contiguous else "as a Mamba block passes them"
+    print(f"selective scan fwd+bwd, fp32, CPU, {torch.get_num_threads()} thread(s), median of {args.repeat} "
+          f"alternated repeats; inputs {layout}")  # fmt: skip
+    out = {f"B{b}xD{d}xL{L}xN{n}": bench_size((b, d, L, n), args) for b, d, L, n in sizes}
     if args.json:
-        cfg = {k: getattr(args, k) for k in ("batch", "length", "dim", "state")}
         with open(args.json, "w") as f:
-            json.dump({"config": {**cfg, "threads": torch.get_num_threads()}, "rows": rows}, f, indent=2)
+            json.dump({"threads": torch.get_num_threads(), "sizes": out}, f, indent=2)
 
 
 if __name__ == "__main__":

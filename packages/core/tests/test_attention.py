@@ -181,17 +181,45 @@ def test_window_covering_sequence_uses_sdpa_and_matches():
     _assert_close(got, want, atol=1e-5)
 
 
-def test_auto_dispatch_on_cpu_window_takes_band_path(monkeypatch):
-    q, k, v = _qkv(1, 2, 99, 8)
-    assert A.select_backend(q, k, v, window=10) == "band"
+@pytest.mark.parametrize(("L", "w", "path", "fn"), [(99, 5, "band", "band_attention"),
+                                                    (99, 10, "blocks", "sdpa_blocks")])  # fmt: skip
+def test_auto_dispatch_on_cpu_window(monkeypatch, L, w, path, fn):
+    """CPU: the band path once L >= BAND_MIN_RATIO windows, SDPA on query blocks below that."""
+    q, k, v = _qkv(1, 2, L, 8)
+    assert A.select_backend(q, k, v, window=w) == path
     assert A.select_backend(q, k, v) == "sdpa"
     calls = []
-    real = A.band_attention
-    monkeypatch.setattr(A, "band_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=10), q, k, v)
-    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=10), q, k, v)
-    assert calls, "auto dispatch did not take the band path"
+    real = getattr(A, fn)
+    monkeypatch.setattr(A, fn, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=w), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=w), q, k, v)
+    assert calls, f"auto dispatch did not take the {path} path"
     _assert_close(got, want, atol=1e-5)
+
+
+# (L, w, block): one block (dense SDPA with a band mask), interior blocks sharing a mask, a ragged last
+# block, w = 1, a window longer than a block, block 1.
+@pytest.mark.parametrize(("L", "w", "block"), [(50, 7, None), (130, 9, 16), (77, 1, 8), (96, 40, 16),
+                                               (33, 5, 1), (64, 63, 64)])  # fmt: skip
+def test_sdpa_blocks_matches_reference(L, w, block):
+    q, k, v = _qkv(2, 3, L, 16)
+    got = _fwd_bwd(lambda q, k, v: A.sdpa_blocks(q, k, v, w, block=block), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=w), q, k, v)
+    _assert_close(got, want, atol=1e-5)
+    got = _fwd_bwd(lambda q, k, v: A.sdpa_blocks(q, k, v, w, scale=0.3, block=block), q, k, v)
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=w, scale=0.3), q, k, v)
+    _assert_close(got, want, atol=1e-5)
+
+
+def test_sdpa_blocks_runs_under_fake_tensors_and_forced():
+    with fake_mode():
+        q, k, v = (torch.randn(2, 4, 1024, 64, requires_grad=True) for _ in range(3))
+        out = A.sdpa_blocks(q, k, v, 256)
+        out.sum().backward()
+        assert out.shape == (2, 4, 1024, 64) and q.grad.shape == q.shape
+    q, k, v = _qkv(1, 2, 40, 8)
+    torch.testing.assert_close(attention(q, k, v, window=6, backend="blocks"),
+                               attention_ref(q, k, v, window=6), atol=1e-5, rtol=0)  # fmt: skip
 
 
 def test_force_backend_context_and_keyword():

@@ -186,3 +186,38 @@ def test_cuda_matches_reference():
     ours = run(selective_scan, inputs, use, True, False)
     ref = run(selective_scan_ref, inputs, use, True, False)
     assert_close(*ours, *ref, rtol=1e-3)
+
+
+@pytest.mark.parametrize("layout", ["shared", "step", "group"])
+def test_fake_tensor_path_allocates_like_the_real_one(layout):
+    """On fake tensors the scan runs only 3 of its chunks and skips the in-place recurrences (memory
+    estimates need allocations, not values): its peak must equal a real run's, and it must make every
+    size of allocation the real run makes (the chunks it skips repeat the same ones)."""
+    from memfit.memory import _StorageTracker, fake_mode
+
+    class Tracker(_StorageTracker):
+        def __init__(self, fake):
+            super().__init__(fake)
+            self.sizes = set()
+
+        def track(self, t, category=None):
+            st = self._storage(t)
+            if st is not None and st not in self._entries:
+                self.sizes.add(st.nbytes())
+            super().track(t, category)
+
+    def run_step(fake):
+        inputs = make_inputs(batch=2, dim=16, L=70, N=8, layout=layout, dtype=torch.float32)
+        ts = [v.requires_grad_() for v in inputs.values()]
+        tracker = Tracker(fake=fake)
+        with tracker:
+            out, last = selective_scan(*ts, delta_softplus=True, return_last_state=True, chunk_size=8)
+            (out.sum() + last.sum()).backward()
+        return tracker.peak, tracker.sizes
+
+    real = run_step(False)
+    with fake_mode():
+        fake = run_step(True)
+    assert fake[0] == real[0], f"fake peak {fake[0]} B != real {real[0]} B"
+    assert fake[1] == real[1], f"allocation sizes differ: {sorted(fake[1] ^ real[1])}"
+    assert real[0] > 4 * 2 * 16 * 8 * 8 and len(real[1]) >= 5  # it saw the chunk buffers

@@ -9,9 +9,16 @@ sliding window: query i sees keys i-w+1 .. i. Paths, in order:
    dense mask. Cross-attention (Lq != Lk) without a window also lands here.
 3. ``flex`` - FlexAttention on CUDA with a block mask from ONE bounded LRU cache keyed by
    (L, window, device), built once per key with B=None/H=None so it broadcasts over batch and heads.
-4. ``band`` - everywhere else (CPU): queries in blocks, each block against only its key band, inside a
-   custom autograd Function that keeps (out, logsumexp) and recomputes the band scores in backward,
-   flash-style. Time O(L*w); memory O(L*D) plus one bounded group of band scores.
+4. ``blocks`` - CPU, moderate L / w: SDPA (its CPU flash kernel) once per block of queries, each block
+   against the keys its window reaches with a boolean band mask. A single block when L is small: then
+   it is dense SDPA with a band mask, as fast as causal SDPA there.
+5. ``band`` - CPU, L at least ``BAND_MIN_RATIO`` windows long: queries in blocks, each block against
+   only its key band, inside a custom autograd Function that keeps (out, logsumexp) and recomputes the
+   band scores in backward, flash-style. Time O(L*w); memory O(L*D) plus one bounded group of band
+   scores.
+
+The CPU rule (``select_backend``) comes from tools/bench_attention.py ``--grid``: fwd+bwd, 1 thread,
+L 64..8192 and w 16..L/2 against causal SDPA; see that tool for the figures.
 
 ``attention_ref`` is the plain masked-softmax reference the tests compare every path against.
 """
@@ -27,7 +34,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("auto", "flash", "sdpa", "flex", "band", "ref")
+BACKENDS = ("auto", "flash", "sdpa", "flex", "blocks", "band", "ref")
 
 # flash-attn builds without CUDA only when forced, and then fails to import its extension: guard broadly.
 try:  # pragma: no cover - depends on the machine
@@ -40,6 +47,10 @@ except (ImportError, OSError, RuntimeError):
 # lower peak; see _groups).
 BAND_BLOCK = 64
 BAND_GROUP_BYTES = 64 * 2**20
+# CPU dispatch for windows shorter than L (measured, see select_backend): the band path from L >= this many
+# windows, else SDPA per query block of max(w // 2, BLOCKS_MIN) queries.
+BAND_MIN_RATIO = 16
+BLOCKS_MIN = 64
 
 
 def attention_ref(q, k, v, *, causal=False, window=None, scale=None):
@@ -374,6 +385,41 @@ def band_attention(q, k, v, window: int, scale: float | None = None, block: int 
 
 
 # ----------------------------------------------------------------------------------------------------
+# Blocks path: SDPA per query block against the keys its window reaches
+# ----------------------------------------------------------------------------------------------------
+
+
+def _window_mask(q0: int, q1: int, k0: int, window: int, device) -> torch.Tensor:
+    """Bool (q1-q0, q1-k0): True where query q0+i may see key k0+j (k0+j <= q0+i < k0+j+window)."""
+    i = torch.arange(q0, q1, device=device)[:, None]
+    j = torch.arange(k0, q1, device=device)[None, :]
+    return (j <= i) & (j > i - window)
+
+
+def sdpa_blocks(q, k, v, window: int, scale: float | None = None, block: int | None = None):
+    """Causal window attention as SDPA calls on blocks of queries: q, k, v (B, H, L, D) -> (B, H, L, Dv).
+
+    Block [s, e) attends keys [s - w + 1, e) under a boolean band mask; every full interior block shares
+    one mask. Time O(L * (block + w)); SDPA's CPU flash kernel keeps its memory O(L)."""
+    L = q.shape[-2]
+    c = max(window // 2, BLOCKS_MIN) if block is None else block
+    if c >= L:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(0, L, 0, window, q.device),
+                                              scale=scale)  # fmt: skip
+    outs, shared = [], None
+    for s in range(0, L, c):
+        e, k0 = min(L, s + c), max(0, s - window + 1)
+        if k0 > 0 and e - s == c:  # interior block: the same mask every time
+            shared = _window_mask(s, e, k0, window, q.device) if shared is None else shared
+            mask = shared
+        else:
+            mask = _window_mask(s, e, k0, window, q.device)
+        outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e], attn_mask=mask,
+                                                   scale=scale))  # fmt: skip
+    return torch.cat(outs, dim=-2)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Dispatcher
 # ----------------------------------------------------------------------------------------------------
 
@@ -436,7 +482,12 @@ def select_backend(q, k, v, *, causal=False, window=None) -> str:
         return "flash"
     if q.is_cuda:
         return "flex"
-    return "band"
+    # CPU (tools/bench_attention.py --grid): SDPA on query blocks is 0.5-0.9x causal SDPA's time from
+    # L 128 to 4096 wherever L < 16 w, and one masked SDPA call ~1.0x at L <= 64; the band path wins
+    # once L >= 16 w (0.45x at L 2048, w 128; 0.16x at L 8192, w 256).
+    if BAND_MIN_RATIO * window <= L:
+        return "band"
+    return "blocks"
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
@@ -453,7 +504,7 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
     if name == "ref":
         return attention_ref(q, k, v, causal=causal, window=window, scale=scale)
     if window is None:
-        if name in ("band", "flex", "flash"):
+        if name in ("band", "blocks", "flex", "flash"):
             # These paths exist for windows; full attention is SDPA's job.
             name = "sdpa"
         return _sdpa(q, k, v, causal, scale)
@@ -479,4 +530,6 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
         return o.transpose(1, 2)
     if name == "flex":
         return _flex(q, k, v, window, scale)
+    if name == "blocks":
+        return sdpa_blocks(q, k, v, window, scale)
     return band_attention(q, k, v, window, scale)
