@@ -133,7 +133,7 @@ def test_bad_configs_raise_clear_errors():
         small(window=[4, 4])
     with pytest.raises(ValueError, match="divisible"):
         small(n_head=5)
-    with pytest.raises(ValueError, match="unknown model 'd13'.*d12, d12_window"):
+    with pytest.raises(ValueError, match="unknown preset 'd13'.*d12, d12_window"):
         get_config("d13")
     model = GPT(small())
     with pytest.raises(ValueError, match="longer than the model's context"):
