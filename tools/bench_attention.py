@@ -3,6 +3,8 @@
     uv run python tools/bench_attention.py                # T 8192, w 256, 12 heads x 64, batch 1, fp32
     uv run python tools/bench_attention.py --quick        # T 2048, 4 heads, scaling over 512..4096: seconds
     uv run python tools/bench_attention.py --json attn.json --threads 2
+    uv run python tools/bench_attention.py --grid         # the CPU dispatch rule vs causal SDPA over
+                                                          # T 64..8192 and w 16..T/4 (minutes)
 
 Rows: ``window`` = ``memfit.attention.attention(q, k, v, window=w)`` (on CPU: the band path, which
 computes only each query block's key band and recomputes it in backward) and ``causal`` = dense causal
@@ -58,6 +60,43 @@ def bench(fn, q, k, v, g, repeat):
     return best[0], best[1], m.peak_bytes - sum(t.numel() * t.element_size() for t in inputs)
 
 
+def grid(args) -> list[dict]:
+    """attention(window=w) (the path select_backend picks) vs causal SDPA, fwd+bwd, medians of alternated
+    repeats, over T and w; B x H x D = 12 x 4 x 32 (nanoGPT's CPU model) up to T 256, 1 x 12 x 64 above."""
+    import statistics
+
+    rows = []
+    head = ("T", "w", "B,H,D", "path", "causal ms", "window ms", "ratio")
+    print(" ".join(f"{h:>{n}s}" for h, n in zip(head, (6, 5, 9, 7, 10, 10, 6))))
+    for T in [int(t) for t in args.grid_T.split(",")]:
+        B, H, D = (12, 4, 32) if T <= 256 else (1, 12, 64)
+        ws = sorted({w for w in (16, 64, 256, T // 4) if 1 <= w < T})
+        q, k, v, g = make_inputs(B, H, T, D)
+        for w in ws:
+            fns = {"causal": lambda q, k, v: attention(q, k, v, causal=True),
+                   "window": lambda q, k, v, w=w: attention(q, k, v, window=w)}  # fmt: skip
+            times = {n: [] for n in fns}
+            for fn in fns.values():
+                step(fn, q, k, v, g)  # warm-up
+            for r in range(args.repeat):
+                for n in list(fns) if r % 2 == 0 else list(fns)[::-1]:
+                    t0 = time.process_time()
+                    step(fns[n], q, k, v, g)
+                    times[n].append(time.process_time() - t0)
+            c, wt = statistics.median(times["causal"]), statistics.median(times["window"])
+            path = select_backend(q, k, v, window=w)
+            rows.append({"T": T, "window": w, "B": B, "H": H, "D": D, "path": path, "causal_s": c,
+                         "window_s": wt, "ratio": wt / c})  # fmt: skip
+            flag = "" if wt / c <= 1.05 else "  > 1.05"
+            print(f"{T:6d} {w:5d} {f'{B},{H},{D}':>9s} {path:>7s} {1e3 * c:10.1f} {1e3 * wt:10.1f} "
+                  f"{wt / c:6.2f}{flag}", flush=True)  # fmt: skip
+    worst = max(rows, key=lambda r: r["ratio"])
+    long = [r["ratio"] for r in rows if r["T"] >= 1024]
+    print(f"worst window/causal {worst['ratio']:.2f} (T {worst['T']}, w {worst['window']}; goal <= 1.05); "
+          f"T >= 1024: at most {max(long, default=float('nan')):.2f} (goal <= 1.0)")  # fmt: skip
+    return rows
+
+
 def fit_exponent(xs, ys):
     lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
@@ -76,7 +115,17 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", type=str, default=None, help="write the results here")
+    p.add_argument("--grid", action="store_true", help="the dispatch rule vs causal SDPA over T and w")
+    p.add_argument("--grid_T", default="64,128,256,512,1024,2048,4096,8192", help="lengths for --grid")
     args = p.parse_args(argv)
+    if args.grid:
+        torch.set_num_threads(args.threads)
+        print(f"fwd+bwd, fp32, CPU threads {args.threads}, CPU seconds, median of {args.repeat} alternated")
+        rows = grid(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"threads": args.threads, "grid": rows}, f, indent=2)
+        return
 
     T = args.seq or (2048 if args.quick else 8192)
     H = args.heads or (4 if args.quick else 12)

@@ -4,6 +4,10 @@
                                                 # + estimate vs measured for each small calibration step
     uv run python tools/bench_gpt2.py speed     # training-step time at nanoGPT's CPU config: our causal
                                                 # and window-16 models vs tools/nanogpt_ref.py (1 thread)
+    OMP_NUM_THREADS=1 uv run python tools/bench_gpt2.py side-by-side [--seeds 0,1]
+                                                # issue 13's quality bar: nanoGPT-equivalent vs our causal
+                                                # vs our window-16 (T/4) model, same data, schedule and
+                                                # 200-batch evaluation; mean over seeds
     OMP_NUM_THREADS=1 uv run python tools/bench_gpt2.py quality [--data tinyshakespeare.txt]
                                                 # 2000 iterations of nanoGPT's shakespeare_char CPU config,
                                                 # then validation loss over 200 batches and tokens/s
@@ -110,6 +114,74 @@ def bench_speed(threads: int, repeat: int, steps: int, window: int) -> dict:
     return out
 
 
+def train_reference(data_path: Path, seed: int, iterations: int = 2000) -> float:
+    """nanoGPT's CPU recipe on tools/nanogpt_ref.py (our own loop, the same schedule as NANOGPT_CPU: AdamW
+    lr 1e-3, betas (0.9, 0.99), weight decay 0.1, warmup 100, cosine to 1e-4, clip 1.0, batch 12 x 64),
+    the same training batches as gpt2-window's trainer for this seed; returns the 200-batch val loss."""
+    import sys
+
+    import torch
+    from gpt2_window.data import load_data
+    from gpt2_window.eval import estimate_loss
+    from memfit.training import step_generator, warmup_cosine_lambda
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from nanogpt_ref import RefGPT, make_optimizer
+
+    data = load_data(data_path, log=lambda *a, **k: None)
+    torch.manual_seed(seed)
+    model = RefGPT(data.vocab_size)
+    opt = make_optimizer(model, lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine_lambda(iterations, 100, 0.1))
+    for step in range(iterations):
+        x, y = data.batch("train", 12, 64, step_generator(seed, step))
+        model(x, y)[1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    return estimate_loss(model, data, "val", 12, 64, 200, "cpu")
+
+
+def ours_val_loss(data: Path, runs_dir: str, model: str, seed: int) -> float:
+    """gpt2-window's trainer on NANOGPT_CPU (fp32) with the given preset; the 200-batch val loss."""
+    from gpt2_window.eval import run as eval_run
+    from gpt2_window.train import run as train_run
+
+    name = f"side-{model}-seed{seed}"
+    argv = [*NANOGPT_CPU, "--data", str(data), "--runs_dir", runs_dir, "--run_name", name,
+            "--seed", str(seed), "--amp", "none", "--no_progress", "--log_every", "500"]  # fmt: skip
+    argv[argv.index("tiny")] = model
+    train_run(argv)
+    run = Path(runs_dir) / "gpt2-window" / name
+    return eval_run(["--run", str(run), "--eval_iters", "200", "--batch_size", "12", "--json"])["loss"]
+
+
+def side_by_side(data: Path, runs_dir: str, seeds: list[int]) -> dict:
+    """Issue 13's bar: mean val loss of our causal model <= nanoGPT-equivalent's + 0.01, and the window
+    model (window 16 = T/4) within 0.02 of our causal model."""
+    import statistics
+
+    if not data.exists():
+        raise SystemExit(f"{data} not found; pass --data path/to/tinyshakespeare.txt")
+    rows = {"nanogpt_ref": [], "causal": [], "window16": []}
+    for seed in seeds:
+        t = time.perf_counter()
+        rows["nanogpt_ref"].append(train_reference(data, seed))
+        rows["causal"].append(ours_val_loss(data, runs_dir, "tiny", seed))
+        rows["window16"].append(ours_val_loss(data, runs_dir, "tiny_window", seed))
+        print(f"seed {seed}: " + ", ".join(f"{k} {v[-1]:.4f}" for k, v in rows.items())
+              + f" ({time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
+    mean = {k: statistics.mean(v) for k, v in rows.items()}
+    out = {"seeds": seeds, "val_loss": rows, "mean": mean,
+           "causal_minus_ref": mean["causal"] - mean["nanogpt_ref"],
+           "window_minus_causal": mean["window16"] - mean["causal"]}  # fmt: skip
+    print(json.dumps(out, indent=1))
+    print(f"causal - nanoGPT-equivalent {out['causal_minus_ref']:+.4f} (goal <= +0.01); "
+          f"window - causal {out['window_minus_causal']:+.4f} (goal |.| <= 0.02)")  # fmt: skip
+    return out
+
+
 def bench_quality(data: Path, runs_dir: str, amp: str, model: str, seed: int) -> None:
     from gpt2_window.eval import run as eval_run
     from gpt2_window.train import run as train_run
@@ -158,6 +230,10 @@ def main() -> None:
     sp.add_argument("--repeat", type=int, default=7, help="alternated rounds (median)")
     sp.add_argument("--steps", type=int, default=10, help="steps per round")
     sp.add_argument("--window", type=int, default=16)
+    sb = sub.add_parser("side-by-side")
+    sb.add_argument("--data", type=Path, default=SHAKESPEARE)
+    sb.add_argument("--runs_dir", default="runs")
+    sb.add_argument("--seeds", default="0,1")
     q = sub.add_parser("quality")
     q.add_argument("--data", type=Path, default=SHAKESPEARE)
     q.add_argument("--runs_dir", default="runs")
@@ -169,6 +245,8 @@ def main() -> None:
         bench_memory()
     elif args.what == "speed":
         bench_speed(args.threads, args.repeat, args.steps, args.window)
+    elif args.what == "side-by-side":
+        side_by_side(args.data, args.runs_dir, [int(s) for s in args.seeds.split(",")])
     else:
         bench_quality(args.data, args.runs_dir, args.amp, args.model, args.seed)
 

@@ -150,14 +150,15 @@ def test_console_entry_point_returns_none(tmp_path, capsys):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} not present (shared test data)")
-def test_nanogpt_cpu_char_model_reaches_val_loss_1_88(tmp_path):
-    """nanoGPT's README CPU run (4x4x128, block 64, batch 12, 2000 iterations) reaches val loss ~1.88."""
+def test_nanogpt_cpu_char_model_side_by_side_with_nanogpt_equivalent(tmp_path):
+    """nanoGPT's README CPU run (4x4x128, block 64, batch 12, 2000 iterations), judged side by side (issue
+    13): our causal model's val loss (200 batches, mean of 2 seeds) <= an independent nanoGPT-equivalent's
+    (tools/nanogpt_ref.py, same data, schedule and evaluation) + 0.01, and the window-16 (T/4) model
+    within 0.02 of our causal one. (nanoGPT's README 1.88 is one 20-batch reading; tens of minutes.)"""
     sys.path.insert(0, str(REPO / "tools"))
-    from bench_gpt2 import NANOGPT_CPU
+    from bench_gpt2 import side_by_side
 
-    out = train_run([*NANOGPT_CPU, "--data", str(SHAKESPEARE), "--runs_dir", str(tmp_path), "--amp", "none",
-                     "--no_progress", "--log_every", "100"])  # fmt: skip
-    run = str(tmp_path / "gpt2-window" / "run")
-    final = eval_run(["--run", run, "--eval_iters", "200"])
-    assert out["step"] == 2000
-    assert final["loss"] <= 1.88, final
+    out = side_by_side(SHAKESPEARE, str(tmp_path), [0, 1])
+    assert out["causal_minus_ref"] <= 0.01, out
+    assert abs(out["window_minus_causal"]) <= 0.02, out
+    assert out["mean"]["causal"] < 2.2, out  # it learned: an untrained model scores ~4.2

@@ -403,7 +403,7 @@ def sdpa_blocks(q, k, v, window: int, scale: float | None = None, block: int | N
     one mask. Time O(L * (block + w)); SDPA's CPU flash kernel keeps its memory O(L)."""
     L = q.shape[-2]
     c = max(window // 2, BLOCKS_MIN) if block is None else block
-    if c >= L:
+    if c >= L or (block is None and 2 * c >= L):  # two blocks would cost about what one masked call does
         return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(0, L, 0, window, q.device),
                                               scale=scale)  # fmt: skip
     outs, shared = [], None

@@ -1,0 +1,71 @@
+"""MBS-Net training-step time on CPU at the default (paper-size) config: 2.62M parameters, batch 6, 2 s.
+
+    uv run python tools/bench_mbsnet.py --threads 1          # median seconds per step (fp32, recompute)
+    uv run python tools/bench_mbsnet.py --threads 2 --steps 3
+    uv run python tools/bench_mbsnet.py --profile            # + where one step's time goes, by op
+
+A step is what ``mbsnet-train --config default`` runs: forward with each encoder layer recomputed in
+backward, MP-SENet losses, backward, AdamW, on random (noisy, clean) audio. ``--quick`` runs the tiny
+CPU recipe's model instead (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from mbsnet_speech.config import default_config, tiny_config
+from mbsnet_speech.system import train_step
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up (median)")
+    p.add_argument("--batch", type=int, default=6)
+    p.add_argument("--seconds", type=float, default=2.0, help="crop length")
+    p.add_argument("--amp", choices=["none", "bf16"], default="none", help="CPU training runs fp32")
+    p.add_argument("--quick", action="store_true", help="the tiny CPU-recipe model")
+    p.add_argument("--profile", action="store_true", help="print the top ops of one more step")
+    args = p.parse_args(argv)
+    if args.threads < 1 or args.steps < 1 or args.batch < 1 or args.seconds <= 0:
+        print("bench_mbsnet: --threads, --steps and --batch must be >= 1 and --seconds > 0")
+        raise SystemExit(2)
+    torch.set_num_threads(args.threads)
+    cfg = tiny_config() if args.quick else default_config()
+    amp = torch.bfloat16 if args.amp == "bf16" else None
+    step = train_step(cfg, args.batch, int(args.seconds * cfg.sample_rate), amp=amp)
+    torch.manual_seed(0)
+    model = step.build_model()
+    opt = step.optimizer(model.parameters())
+    batch = step.make_batch(torch.device("cpu"))
+    n_params = sum(p.numel() for p in model.parameters())
+
+    def one() -> float:
+        t = time.perf_counter()
+        with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+            loss = step.loss(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    name = "tiny" if args.quick else "default"
+    print(f"MBS-Net {name} config, {n_params / 1e6:.2f}M params, batch {args.batch}, "
+          f"{args.seconds:g} s crops, {args.amp}, {torch.get_num_threads()} thread(s)")  # fmt: skip
+    warm = one()
+    times = [one() for _ in range(args.steps)]
+    print(f"  warm-up {warm:.2f} s; steps {', '.join(f'{t:.2f}' for t in times)} s; "
+          f"median {statistics.median(times):.2f} s/step (goal <= 10 s on 2 cores)")  # fmt: skip
+    if args.profile:
+        from torch.profiler import profile
+
+        with profile() as prof:
+            one()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
+if __name__ == "__main__":
+    main()
