@@ -453,3 +453,21 @@ def test_fast_fake_ops_give_the_same_estimate_as_fake_tensor_mode(monkeypatch, n
     monkeypatch.setattr(mm, "FAST_FAKE", False)
     slow = estimate_training_step(step)
     assert (fast.peak_bytes, fast.by_category) == (slow.peak_bytes, slow.by_category)
+
+
+def test_fast_fake_ops_keep_views_that_have_no_alias_annotation(monkeypatch):
+    """aten._unsafe_view (after matmul's mm) shares the mm output's storage: a repeated matmul must not
+    count a second copy."""
+    import memfit.memory as mm
+
+    peaks = []
+    for fast in (True, False):
+        monkeypatch.setattr(mm, "FAST_FAKE", fast)
+        with fake_mode():
+            tracker = mm._StorageTracker(fake=True)
+            with tracker:
+                a, b = torch.randn(4, 8, 16), torch.randn(16, 32)
+                for _ in range(3):
+                    c = a @ b  # noqa: F841
+            peaks.append(tracker.peak)
+    assert peaks[0] == peaks[1] == 3 * 4096  # a and b, the live product and the next one

@@ -280,11 +280,16 @@ def _fast_fake_call(func, args, kwargs):
         return func(*args, **(kwargs or {}))
     meta = _OUT_META.get(key)
     if meta is not None:
-        return _build(meta, found[0].fake_mode)
+        return _build(meta, found[0].fake_mode) if meta else func(*args, **(kwargs or {}))
     out = func(*args, **(kwargs or {}))
-    _OUT_META[key] = _out_meta(out) if len(_OUT_META) < 200_000 else None
-    if _OUT_META[key] is None:
-        del _OUT_META[key]
+    if len(_OUT_META) < 200_000:
+        # an output that shares an input's storage (aten._unsafe_view has no alias annotation) must keep
+        # sharing it: such keys always go through FakeTensorMode
+        inputs = {id(t.untyped_storage()) for t in _tensors(args)}
+        aliased = any(id(t.untyped_storage()) in inputs for t in _tensors(out))
+        meta = False if aliased else _out_meta(out)
+        if meta is not None:
+            _OUT_META[key] = meta
     return out
 
 
