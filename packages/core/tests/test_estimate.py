@@ -434,3 +434,40 @@ def test_module_pattern_groups_repeated_layers():
 
     assert module_pattern("decoder.layers.11.attn") == "decoder.layers.*.attn"
     assert module_pattern("0.fn") == "*.fn" and module_pattern("conv1") == "conv1"
+
+
+@pytest.mark.parametrize(
+    "name,factory,shape,kw",
+    [
+        ("resnet18", None, "2x3x64x64", {}),
+        ("scent-small", lambda: SCENTDecoder(16, 64), "2x256x16", {"target": "same", "amp": "bf16"}),
+        ("seed-scan", lambda: MaterialisingMamba(16, 2, 4, 1), "2x32x16", {"target": "same"}),
+    ],
+)
+def test_fast_fake_ops_give_the_same_estimate_as_fake_tensor_mode(monkeypatch, name, factory, shape, kw):
+    """memory._fast_fake_call builds repeated ops' outputs from remembered metadata: same bytes, split."""
+    import memfit.memory as mm
+
+    step = make_target(factory or _torchvision(name), name, [shape], **kw).step()
+    fast = estimate_training_step(step)
+    monkeypatch.setattr(mm, "FAST_FAKE", False)
+    slow = estimate_training_step(step)
+    assert (fast.peak_bytes, fast.by_category) == (slow.peak_bytes, slow.by_category)
+
+
+def test_fast_fake_ops_keep_views_that_have_no_alias_annotation(monkeypatch):
+    """aten._unsafe_view (after matmul's mm) shares the mm output's storage: a repeated matmul must not
+    count a second copy."""
+    import memfit.memory as mm
+
+    peaks = []
+    for fast in (True, False):
+        monkeypatch.setattr(mm, "FAST_FAKE", fast)
+        with fake_mode():
+            tracker = mm._StorageTracker(fake=True)
+            with tracker:
+                a, b = torch.randn(4, 8, 16), torch.randn(16, 32)
+                for _ in range(3):
+                    c = a @ b  # noqa: F841
+            peaks.append(tracker.peak)
+    assert peaks[0] == peaks[1] == 3 * 4096  # a and b, the live product and the next one

@@ -585,7 +585,7 @@ def tree_rows(trace: Trace, min_share: float = 0.02, max_depth: int = 3) -> list
 
     rows.append(("(model)", shares.get("", 0), 1))
     visit("", 1)
-    for k in sorted(k for k in shares if k.startswith("(")):
+    for k in sorted(k for k in shares if k.startswith("(") and shares[k] >= min_share * total):
         rows.append((k, shares[k], 1))
     return rows
 

@@ -185,7 +185,7 @@ class _StorageTracker(TorchDispatchMode):
         self.by_category[entry[1]] -= entry[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = _fast_fake_call(func, args, kwargs) if self.fake else func(*args, **(kwargs or {}))
         outs = _tensors(out)
         if not outs:
             return out
@@ -200,6 +200,97 @@ class _StorageTracker(TorchDispatchMode):
             if st is not None and id(st) not in shared:
                 self.track(t)
         return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# A faster fake-tensor op for the estimator
+# ----------------------------------------------------------------------------------------------------
+# FakeTensorMode computes a general cache key for every op (SymInts, constants, views...): about half of an
+# estimate's time. Most ops of a training step make fresh tensors whose size, stride and dtype follow from
+# the inputs' sizes, strides and dtypes alone. For those ops (no mutation, no aliasing output, no
+# data-dependent shape, no constant inputs) the first call goes through FakeTensorMode and the outputs'
+# metadata is remembered under a cheap key; later calls build the FakeTensors directly.
+
+_OP_OK: dict[Any, bool] = {}
+_OUT_META: dict[tuple, Any] = {}
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_NO_CACHE_TAGS = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.inplace_view}
+
+
+def _op_ok(func) -> bool:
+    ok = _OP_OK.get(func)
+    if ok is None:
+        schema = getattr(func, "_schema", None)
+        ok = (
+            schema is not None
+            and not schema.is_mutable
+            and all(r.alias_info is None for r in schema.returns)
+            and not _NO_CACHE_TAGS.intersection(getattr(func, "tags", ()))
+        )
+        _OP_OK[func] = ok
+    return ok
+
+
+def _key_of(x, found: list) -> Any:
+    """Hashable metadata of an op argument; raises KeyError for anything that could change the output
+    beyond its metadata (a constant-folded fake tensor, an unknown object)."""
+    if type(x) is FakeTensor:
+        if x.constant is not None or x.layout is not torch.strided:
+            raise KeyError
+        if not found:
+            found.append(x)
+        return (x.shape, x.stride(), x.dtype, x.device)
+    if isinstance(x, (list, tuple)):
+        return (type(x), *(_key_of(a, found) for a in x))
+    if isinstance(x, _SCALARS):
+        return (type(x), x)
+    raise KeyError
+
+
+def _out_meta(out) -> Any:
+    if type(out) is FakeTensor:
+        return (out.shape, out.stride(), out.dtype, out.device)
+    if isinstance(out, (list, tuple)) and all(type(o) is FakeTensor or o is None for o in out):
+        return (type(out), [None if o is None else _out_meta(o) for o in out])
+    return None
+
+
+def _build(meta, mode) -> Any:
+    if isinstance(meta[0], torch.Size):
+        shape, stride, dtype, device = meta
+        with torch._C._DisableTorchDispatch():
+            elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        return FakeTensor(mode, elem, device)
+    kind, items = meta
+    return kind(None if m is None else _build(m, mode) for m in items)
+
+
+FAST_FAKE = True  # off: every op goes through FakeTensorMode (the tests compare both)
+
+
+def _fast_fake_call(func, args, kwargs):
+    if not FAST_FAKE or not _op_ok(func):
+        return func(*args, **(kwargs or {}))
+    found: list = []
+    try:
+        key = (func, _key_of(args, found), _key_of(tuple(sorted(kwargs.items())), found) if kwargs else ())
+    except (KeyError, TypeError):
+        return func(*args, **(kwargs or {}))
+    if not found:  # no fake tensor argument: nothing tells us the mode; a factory op, let the mode run it
+        return func(*args, **(kwargs or {}))
+    meta = _OUT_META.get(key)
+    if meta is not None:
+        return _build(meta, found[0].fake_mode) if meta else func(*args, **(kwargs or {}))
+    out = func(*args, **(kwargs or {}))
+    if len(_OUT_META) < 200_000:
+        # an output that shares an input's storage (aten._unsafe_view has no alias annotation) must keep
+        # sharing it: such keys always go through FakeTensorMode
+        inputs = {id(t.untyped_storage()) for t in _tensors(args)}
+        aliased = any(id(t.untyped_storage()) in inputs for t in _tensors(out))
+        meta = False if aliased else _out_meta(out)
+        if meta is not None:
+            _OUT_META[key] = meta
+    return out
 
 
 def _tensors(x) -> list[torch.Tensor]:

@@ -1,0 +1,74 @@
+"""`memfit estimate` against PyTorch's MemTracker (fake tensors) and a real CPU run, with the time of each.
+
+    uv run python tools/compare_estimators.py            # resnet18, batch 8, 224x224, fp32, AdamW
+    uv run python tools/compare_estimators.py --model resnet50 --input 2x3x224x224
+
+Also prints the figures accelerate's and DeepSpeed's rules give from the parameter count alone (Adam
+training = 4 x the fp32 model; 16 bytes per parameter for fp16 mixed precision without ZeRO): neither tool
+is installed here, and neither sees activations. Numbers of docs/your-own-model.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torchvision
+from memfit.estimate import make_target
+from memfit.memory import MIB, TrainStep, estimate_training_step, fake_mode, measure_training_step
+
+
+def memtracker_peak(step: TrainStep) -> int:
+    """Two steps under PyTorch's MemTracker with fake tensors, as its docs run it."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with fake_mode():
+        model = step.build_model()
+        opt = step.optimizer(model.parameters())
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        with mt:
+            for i in range(2):
+                if i:
+                    mt.reset_mod_stats()
+                step.loss(model, step.make_batch(torch.device("cpu"))).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet18", help="a torchvision.models factory")
+    p.add_argument("--input", default="8x3x224x224")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    step = make_target(getattr(torchvision.models, args.model), args.model, [args.input]).step()
+    est, t_est = timed(lambda: estimate_training_step(step))
+    theirs, t_mt = timed(lambda: memtracker_peak(step))
+    real, t_real = timed(lambda: measure_training_step(step))
+    n = est.params
+    print(f"{args.model} --input {args.input}, fp32, fused AdamW, {args.threads} thread(s), {n} parameters")
+    print(f"memfit estimate            {est.peak_bytes / MIB:9.1f} MiB  {t_est:6.2f} s")
+    print(
+        f"MemTracker (fake tensors)  {theirs / MIB:9.1f} MiB  {t_mt:6.2f} s  "
+        f"memfit/this {est.peak_bytes / theirs:.4f}"
+    )
+    print(
+        f"real CPU run               {real.peak_bytes / MIB:9.1f} MiB  {t_real:6.2f} s  "
+        f"memfit/this {est.peak_bytes / real.peak_bytes:.4f}"
+    )
+    print(f"accelerate's rule          {4 * 4 * n / MIB:9.1f} MiB  (4 x the fp32 model)")
+    print(f"DeepSpeed's rule           {16 * n / MIB:9.1f} MiB  (16 B per parameter)")
+
+
+if __name__ == "__main__":
+    main()
