@@ -112,6 +112,18 @@ def tiny_config(**overrides: Any) -> MBSNetConfig:
 PRESETS = {"default": default_config, "seed": seed_config, "tiny": tiny_config}
 
 
+@dataclass
+class LossWeights:
+    """Weights of the training loss terms (losses.py); 0 skips a term. Defaults: MP-SENet's generator
+    weights (its metric-discriminator term left out), no multi-resolution STFT term."""
+
+    mag: float = 0.9
+    com: float = 0.1
+    pha: float = 0.3
+    time: float = 0.2
+    stft: float = 0.0
+
+
 def get_config(name: str, **overrides: Any) -> MBSNetConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")

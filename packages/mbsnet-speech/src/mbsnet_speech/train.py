@@ -1,64 +1,30 @@
 """Train MBS-Net: `uv run mbsnet-train [--config default|seed|tiny] [--data VOICEBANK_ROOT] [--steps N]`.
 
 Without --data it trains on the embedded generator of speech-like noisy/clean pairs (offline).
-Losses as MP-SENet: compressed magnitude MSE, compressed complex MSE, anti-wrapping phase losses
-(instantaneous phase, group delay, instantaneous frequency) and waveform L1.
+Losses (losses.py) as MP-SENet: compressed magnitude MSE, compressed complex MSE, anti-wrapping phase
+losses (instantaneous phase, group delay, instantaneous frequency), waveform L1 and optionally a
+multi-resolution STFT loss; each term is logged to metrics.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from memfit.training import dist_info, resolve_device
 
 from mbsnet_speech.config import PRESETS, get_config
 from mbsnet_speech.data import SAMPLE_RATE, find_pairs, folder_batch, pair_rng, synth_batch
+from mbsnet_speech.losses import enhancement_loss
 from mbsnet_speech.model import MBSNet, count_params
 
 SYSTEM_NAME = "mbsnet-speech"
-LOSS_WEIGHTS = {"mag": 0.9, "pha": 0.3, "com": 0.1, "time": 0.2}  # MP-SENet's generator weights
-
-
-def anti_wrapping(x: torch.Tensor) -> torch.Tensor:
-    """|x| folded into [0, pi]: a phase error of 2*pi*k counts as zero."""
-    return torch.abs(x - 2 * math.pi * torch.round(x / (2 * math.pi)))
-
-
-def phase_loss(pha_hat: torch.Tensor, pha: torch.Tensor) -> torch.Tensor:
-    """Anti-wrapping instantaneous phase + group delay (along F) + inst. frequency (along T); (B, F, T)."""
-    ip = anti_wrapping(pha_hat - pha).mean()
-    gd = anti_wrapping(torch.diff(pha_hat, dim=1) - torch.diff(pha, dim=1)).mean()
-    iaf = anti_wrapping(torch.diff(pha_hat, dim=2) - torch.diff(pha, dim=2)).mean()
-    return ip + gd + iaf
-
-
-def enhancement_loss(model: MBSNet, batch: tuple[torch.Tensor, torch.Tensor]):
-    """batch = (noisy, clean) (B, T) -> (loss, {part: value})."""
-    noisy, clean = batch
-    out = model(noisy)
-    raw = model.module if hasattr(model, "module") else model  # DDP wraps the model
-    with torch.no_grad():
-        mag, pha = raw.stft(clean)
-    l_mag = F.mse_loss(out.mag, mag)
-    l_com = 2 * F.mse_loss(
-        torch.stack((out.mag * torch.cos(out.pha), out.mag * torch.sin(out.pha))),
-        torch.stack((mag * torch.cos(pha), mag * torch.sin(pha))),
-    )
-    l_pha = phase_loss(out.pha, pha)
-    l_time = F.l1_loss(out.wav.float(), clean.float())
-    w = LOSS_WEIGHTS
-    loss = w["mag"] * l_mag + w["pha"] * l_pha + w["com"] * l_com + w["time"] * l_time
-    parts = {"mag": l_mag.detach(), "pha": l_pha.detach(), "com": l_com.detach(), "time": l_time.detach()}
-    return loss, parts
 
 
 def training_step_loss(model: MBSNet, batch) -> torch.Tensor:
-    """Scalar loss for memfit.memory.TrainStep."""
+    """Scalar loss for memfit.memory.TrainStep (the default loss weights)."""
     return enhancement_loss(model, batch)[0]
 
 
