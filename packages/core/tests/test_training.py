@@ -241,3 +241,59 @@ def test_warmup_cosine_matches_nanogpt_get_lr():
     f = warmup_cosine_lambda(decay, warmup, min_ratio=min_lr / lr)
     for it in range(decay):
         assert lr * f(it) == pytest.approx(get_lr(it), rel=1e-12, abs=1e-15)
+
+
+def test_max_minutes_stops_cleanly_saves_and_resumes(tmp_path, capsys):
+    """A wall budget stops the run after the current step, saves it, and says how to continue."""
+    t = build(tmp_path, steps=50, save_every=0)
+    t.cfg.max_minutes = 1e-9  # spent after the first step
+    out = t.fit()
+    assert out["stopped_early"] and t.step == 1
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt_0000001.pt"]
+    err = capsys.readouterr().err
+    assert "--max_minutes" in err and "step 1 of 50" in err and "--resume" in err
+    resumed = build(tmp_path, steps=5, resume=True)
+    assert resumed.step == 1
+    assert not resumed.fit()["stopped_early"] and resumed.step == 5
+    with pytest.raises(ValueError, match="max_minutes"):
+        LoopConfig(max_minutes=0)
+
+
+def test_best_metric_writes_best_checkpoint_and_logs_best_step(tmp_path):
+    """eval results 3, 5, 4, 1 (max): best.pt holds step 4's weights; metrics say best/score and best_step."""
+    scores = iter([3.0, 5.0, 4.0, 1.0])
+    weights = {}
+
+    def eval_fn(model):
+        weights[t.step] = model.body[0].weight.detach().clone()
+        return {"score": next(scores)}
+
+    t = build(tmp_path, steps=8, save_every=0)
+    t.eval_fn, t.eval_every, t.best_metric = eval_fn, 2, "score"
+    t.fit()
+    best = load_checkpoint(tmp_path / "best.pt")
+    assert best["step"] == 4 and best["best"] == {"metric": "score", "value": 5.0, "step": 4}
+    torch.testing.assert_close(best["model"]["body.0.weight"], weights[4])
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/score" in r]
+    assert [r["best/score"] for r in evals] == [3.0, 5.0, 5.0, 5.0]
+    assert [r["best_step"] for r in evals] == [2, 4, 4, 4]
+    from memfit.training import find_checkpoint
+
+    assert find_checkpoint(tmp_path) == tmp_path / "best.pt"
+    assert find_checkpoint(tmp_path, "latest").name == "ckpt_0000008.pt"
+
+
+def test_best_mode_min_and_find_checkpoint_without_best(tmp_path):
+    from memfit.training import find_checkpoint
+
+    assert find_checkpoint(tmp_path) is None
+    scores = iter([2.0, 1.0, 3.0])
+    t = build(tmp_path, steps=6, save_every=0)
+    t.eval_fn, t.eval_every, t.best_metric, t.best_mode = (lambda m: {"loss": next(scores)}), 2, "loss", "min"
+    t.fit()
+    assert load_checkpoint(tmp_path / "best.pt")["step"] == 4
+    (tmp_path / "best.pt").unlink()
+    assert find_checkpoint(tmp_path, "best").name == "ckpt_0000006.pt"  # no best.pt: the newest
+    with pytest.raises(ValueError, match="best_mode"):
+        Trainer(nn.Linear(1, 1), None, None, None, LoopConfig(device="cpu"), best_mode="up")

@@ -33,6 +33,7 @@ from torch import nn
 from memfit.memory import MIB, PeakMemory, training_state_tensors
 
 CKPT_PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
+BEST_NAME = "best.pt"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -60,8 +61,12 @@ class LoopConfig:
     # On CPU, tracking every allocation costs time, so the peak is measured over the first steps (the
     # steady state is reached at step 2, once optimizer state exists). On CUDA the whole run is covered.
     measure_memory_steps: int = 3
+    # Wall-clock budget: stop cleanly (checkpoint saved, resumable) once this many minutes have passed.
+    max_minutes: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_minutes is not None and not self.max_minutes > 0:
+            raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
         if self.steps < 0:
             raise ValueError(f"steps must be >= 0, got {self.steps}")
         if self.grad_accum < 1:
@@ -92,6 +97,12 @@ def add_loop_args(parser: argparse.ArgumentParser, **defaults: Any) -> argparse.
     g.add_argument("--resume", action="store_true", default=d["resume"], help="continue from last checkpoint")
     g.add_argument("--device", default=d["device"], help="auto | cpu | cuda | cuda:N")
     g.add_argument("--no_progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--max_minutes",
+        type=float,
+        default=d["max_minutes"],
+        help="stop cleanly after this many minutes (checkpoint saved; continue with --resume)",
+    )
     return parser
 
 
@@ -112,6 +123,7 @@ def loop_config_from_args(args: argparse.Namespace, system: str) -> LoopConfig:
             resume=args.resume,
             progress=not args.no_progress,
             device=args.device,
+            max_minutes=getattr(args, "max_minutes", None),
         )
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -241,20 +253,38 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 3) -> Path:
-    """Write run_dir/ckpt_<step>.pt atomically (temp file, fsync, rename) and keep the newest keep_last."""
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / f"ckpt_{step:07d}.pt"
+def write_atomic(path: Path, state: dict[str, Any]) -> Path:
+    """torch.save to path atomically: a temp file, fsync, rename (readers never see half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half
+    return path
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 3) -> Path:
+    """Write run_dir/ckpt_<step>.pt atomically (temp file, fsync, rename) and keep the newest keep_last."""
+    path = write_atomic(Path(run_dir) / f"ckpt_{step:07d}.pt", state)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         old.unlink(missing_ok=True)
     return path
+
+
+def find_checkpoint(run_dir: str | Path, which: str = "best") -> Path | None:
+    """The checkpoint to use from a run folder.
+
+    which="best": run_dir/best.pt if the run tracked a best metric, else the newest intact step
+    checkpoint; which="latest": the newest intact step checkpoint. None when there is none.
+    """
+    if which not in ("best", "latest"):
+        raise ValueError(f"which must be 'best' or 'latest', got {which!r}")
+    run_dir = Path(run_dir)
+    if which == "best" and (run_dir / BEST_NAME).is_file():
+        return run_dir / BEST_NAME
+    return latest_checkpoint(run_dir)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -318,6 +348,9 @@ class Trainer:
 
     loss_fn returns a scalar loss or (loss, {name: float}); get_batch must be deterministic in
     (step, micro) for exact resume; eval_fn(model) -> {name: float} runs every eval_every steps (rank 0).
+    With best_metric, every evaluation that improves results[best_metric] (higher with best_mode="max",
+    lower with "min") writes run_dir/best.pt (the same schema as the step checkpoints) and the metrics
+    carry best/<metric> and best_step.
     """
 
     model: nn.Module
@@ -330,9 +363,16 @@ class Trainer:
     eval_every: int = 0
     model_config: dict[str, Any] | None = None
     items_per_step: int | None = None  # e.g. tokens per optimizer step, for throughput
+    best_metric: str | None = None
+    best_mode: str = "max"  # "max" | "min"
     step: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
+        if self.best_mode not in ("max", "min"):
+            raise ValueError(f"best_mode must be 'max' or 'min', got {self.best_mode!r}")
+        self.best_value: float | None = None
+        self.best_step: int | None = None
+        self.stopped_early = False
         self.device = resolve_device(self.cfg.device)
         self.dist = init_distributed(self.device)
         self.run_dir = Path(self.cfg.run_dir)
@@ -360,6 +400,7 @@ class Trainer:
             "rng": _rng_state(),
             "model_config": self.model_config or {},
             "loop_config": asdict(self.cfg),
+            "best": {"metric": self.best_metric, "value": self.best_value, "step": self.best_step},
         }
 
     def save(self) -> Path | None:
@@ -382,6 +423,9 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
+        best = state.get("best") or {}
+        if best.get("metric") == self.best_metric and best.get("value") is not None:
+            self.best_value, self.best_step = float(best["value"]), int(best["step"])
         if self.dist.is_main:
             print(f"[memfit] resumed from {path} at step {self.step}", file=sys.stderr)
 
@@ -429,9 +473,13 @@ class Trainer:
         bar = _progress(cfg.steps, self.step, cfg.progress and self.dist.is_main)
         last: dict[str, Any] = {"step": self.step}
         t_last, steps_since = time.perf_counter(), 0
+        t_start = time.perf_counter()
         start_step = self.step
         try:
             while self.step < cfg.steps:
+                if self.step > start_step and self._out_of_time(t_start):
+                    self.stopped_early = True
+                    break
                 measure = self.device.type == "cpu" and self.step - start_step < cfg.measure_memory_steps
                 if measure:
                     held = training_state_tensors(self.raw_model, self.optimizer)
@@ -468,7 +516,14 @@ class Trainer:
             bar.close()
         if self.eval_fn is not None and (not self.eval_every or self.step % self.eval_every):
             self._evaluate(last)
-        self.save()
+        path = self.save()
+        if self.stopped_early and self.dist.is_main:
+            print(
+                f"[memfit] --max_minutes {cfg.max_minutes:g} reached: stopped at step {self.step} of "
+                f"{cfg.steps}; checkpoint {path}; continue with --resume",
+                file=sys.stderr,
+            )
+        last["stopped_early"] = self.stopped_early
         if self.device.type == "cuda":
             self.peak_memory_bytes = torch.cuda.max_memory_allocated(self.device)
         last["peak_memory_mib"] = self.peak_memory_bytes / MIB
@@ -480,6 +535,24 @@ class Trainer:
             self.metrics.write({"step": self.step, "peak_memory_mib": last["peak_memory_mib"]})
         return last
 
+    def _out_of_time(self, t_start: float) -> bool:
+        """Whether the --max_minutes budget is spent (every rank takes rank 0's decision)."""
+        if self.cfg.max_minutes is None:
+            return False
+        over = time.perf_counter() - t_start >= self.cfg.max_minutes * 60
+        if self.dist.world_size > 1 and dist.is_initialized():
+            flag = torch.tensor([float(over)], device=self.device if self.device.type == "cuda" else "cpu")
+            dist.broadcast(flag, src=0)
+            over = bool(flag.item())
+        return over
+
+    def _improved(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.best_value is None:
+            return True
+        return value > self.best_value if self.best_mode == "max" else value < self.best_value
+
     def _evaluate(self, last: dict[str, Any]) -> None:
         if not self.dist.is_main:
             return
@@ -489,6 +562,17 @@ class Trainer:
             results = self.eval_fn(self.raw_model)
         self.raw_model.train()
         record = {"step": self.step, **{f"eval/{k}": v for k, v in results.items()}}
+        if self.best_metric is not None:
+            if self.best_metric not in results:
+                raise KeyError(
+                    f"best_metric {self.best_metric!r} is not among the eval results {sorted(results)}"
+                )
+            value = float(results[self.best_metric])
+            if self._improved(value):
+                self.best_value, self.best_step = value, self.step
+                write_atomic(self.run_dir / BEST_NAME, self.state_dict())
+            record[f"best/{self.best_metric}"] = self.best_value
+            record["best_step"] = self.best_step
         last.update(record)
         self.metrics.write(record)
         print(" ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
