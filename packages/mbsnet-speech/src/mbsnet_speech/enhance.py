@@ -20,17 +20,41 @@ from mbsnet_speech.model import MBSNet
 DEFAULT_RUN = "runs/mbsnet-speech/run"
 
 
-def load_model(ckpt: str | Path, device: str | torch.device = "cpu", pcs: bool | None = None) -> MBSNet:
-    """Rebuild the model from a checkpoint file or run folder (its saved config) and load the weights."""
+def resolve_checkpoint(ckpt: str | Path) -> Path:
+    """A checkpoint file as given; for a run folder its best.pt (best validation PESQ) when there is
+    one, else its newest step checkpoint."""
+    from memfit.training import find_checkpoint
+
+    path = Path(ckpt)
+    if not path.is_dir():
+        return path
+    found = find_checkpoint(path, which="best")
+    if found is None:
+        raise FileNotFoundError(
+            f"no checkpoint (best.pt or ckpt_*.pt) in {path}; train first or pass a .pt file"
+        )
+    return Path(found)
+
+
+def load_checkpointed(
+    ckpt: str | Path, device: str | torch.device = "cpu", pcs: bool | None = None
+) -> tuple[MBSNet, Path, int]:
+    """(model in eval mode, the checkpoint file used, its training step) from a file or run folder."""
     from memfit.training import load_checkpoint
 
-    state = load_checkpoint(ckpt, map_location="cpu")
+    path = resolve_checkpoint(ckpt)
+    state = load_checkpoint(path, map_location="cpu")
     cfg = MBSNetConfig.from_dict(state.get("model_config") or {})
     if pcs is not None:
         cfg.pcs = pcs
     model = MBSNet(cfg)
     model.load_state_dict(state["model"])
-    return model.to(device).eval()
+    return model.to(device).eval(), path, int(state.get("step", -1))
+
+
+def load_model(ckpt: str | Path, device: str | torch.device = "cpu", pcs: bool | None = None) -> MBSNet:
+    """Rebuild the model from a checkpoint file or run folder (best.pt first) and load the weights."""
+    return load_checkpointed(ckpt, device, pcs)[0]
 
 
 def enhance_array(
