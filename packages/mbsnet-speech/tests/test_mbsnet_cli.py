@@ -211,3 +211,18 @@ def test_learning_rate_follows_the_time_budget(monkeypatch):
     assert f(501) == pytest.approx(0.1)
     g = train.budget_cosine_lambda(steps=110, warmup=10, max_minutes=None)
     assert g(60) == pytest.approx(0.1 + 0.9 * 0.5) and g(110) == pytest.approx(0.1)
+
+
+def test_noisy_phase_keeps_the_input_phase_and_trains_only_the_mask():
+    torch.manual_seed(0)
+    from mbsnet_speech.config import tiny_config
+    from mbsnet_speech.model import MBSNet
+
+    model = MBSNet(tiny_config())
+    train.freeze_phase_head(model)
+    x = 0.1 * torch.randn(2, 4000)
+    out = model(x)
+    _, pha = model.stft(x)
+    torch.testing.assert_close(out.pha, pha, rtol=0, atol=0)
+    frozen = {n for n, q in model.named_parameters() if not q.requires_grad}
+    assert frozen and all(n.startswith("phase_head.") for n in frozen)

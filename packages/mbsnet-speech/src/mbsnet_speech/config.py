@@ -145,6 +145,7 @@ class Recipe:
     lr: float
     steps: int  # with --max_minutes and no --steps: until the time budget
     amp: str = "bf16"
+    noisy_phase: bool = False  # freeze the phase head at "keep the noisy phase": a magnitude-mask model
     loss: LossWeights = field(default_factory=LossWeights)
     eval_every: int = 200  # validation (PESQ-wb, STOI, SI-SDR on held-out files) every N steps
     val_files: int = 8

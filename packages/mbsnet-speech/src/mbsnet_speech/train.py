@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--loss", default=None, metavar="TERM=W,...", help="loss weights, e.g. mag=0.9,stft=0.5 (losses.py)"
     )
+    p.add_argument(
+        "--noisy_phase",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep the noisy phase (phase head frozen; default: the recipe's, CPU recipe on)",
+    )
     p.add_argument("--eval_every", type=int, default=None, help="validate every N steps (0: at the end)")
     p.add_argument("--val_files", type=int, default=None, help="held-out files validated (default 8)")
     add_loop_args(p, steps=None, log_every=10, save_every=200, amp=None)
@@ -105,7 +111,7 @@ def resolve_recipe(args: argparse.Namespace) -> Recipe:
     recipe = recipe_for(args.config)
     if args.steps is None and args.max_minutes:
         args.steps = 10**7  # until the time budget
-    for key in ("batch_size", "seconds", "lr", "steps", "amp", "eval_every", "val_files"):
+    for key in ("batch_size", "seconds", "lr", "steps", "amp", "noisy_phase", "eval_every", "val_files"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(recipe, key))
     return recipe
@@ -223,6 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(2) from None
     torch.manual_seed(loop.seed)
     model = MBSNet(cfg)
+    if args.noisy_phase:
+        freeze_phase_head(model)
     rank = dist_info().rank
     if rank == 0:
         print(
@@ -241,7 +249,10 @@ def main(argv: list[str] | None = None) -> dict:
     warmup = args.warmup if args.warmup is not None else min(50, loop.steps // 10)
     device_model = model.to(resolve_device(loop.device))
     opt = torch.optim.AdamW(
-        device_model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.8, 0.99)
+        [q for q in device_model.parameters() if q.requires_grad],
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        betas=(0.8, 0.99),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, budget_cosine_lambda(loop.steps, warmup, args.max_minutes))
     eval_kw = validation_hooks(val_items, args.eval_every)
@@ -257,6 +268,18 @@ def main(argv: list[str] | None = None) -> dict:
         **eval_kw,
     )
     return trainer.fit()
+
+
+def freeze_phase_head(model: MBSNet) -> None:
+    """Phase head outputs (a, b) = (1, 0) whatever the input, and stays so: the phase offset atan2(b, a)
+    is exactly 0 and the model keeps the noisy phase (a magnitude mask, as RNNoise or Wiener filters)."""
+    for head in model.phase_head.heads:
+        last = head[-1] if isinstance(head, torch.nn.Sequential) else head
+        with torch.no_grad():
+            last.weight.zero_()
+            last.bias.view(-1, 2).copy_(torch.tensor([1.0, 0.0]))
+    for q in model.phase_head.parameters():
+        q.requires_grad_(False)
 
 
 def validation_hooks(items, every: int) -> dict:
