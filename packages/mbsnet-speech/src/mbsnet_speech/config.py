@@ -145,6 +145,7 @@ class Recipe:
     lr: float
     steps: int  # with --max_minutes and no --steps: until the time budget
     amp: str = "bf16"
+    threads: int | None = None  # torch CPU threads when --threads is not given (None: torch's default)
     noisy_phase: bool = False  # freeze the phase head at "keep the noisy phase": a magnitude-mask model
     loss: LossWeights = field(default_factory=LossWeights)
     eval_every: int = 200  # validation (PESQ-wb, STOI, SI-SDR on held-out files) every N steps
@@ -154,7 +155,16 @@ class Recipe:
 PAPER_RECIPE = Recipe(batch_size=6, seconds=2.0, lr=5e-4, steps=1000)
 # The CPU recipe (`--config cpu`, and `auto` without a GPU); chosen by short measured runs, see README.
 CPU_RECIPE = Recipe(
-    batch_size=4, seconds=1.0, lr=3e-3, steps=300, amp="none", loss=LossWeights(pha=0.0), eval_every=300
+    batch_size=4,
+    seconds=1.0,
+    lr=3e-3,
+    steps=300,
+    amp="none",
+    # one thread: this model's ops are small, and on a 2-core machine with anything else running, two
+    # threads made a step about 8x slower (each parallel region waits for the descheduled thread)
+    threads=1,
+    loss=LossWeights(pha=0.0),
+    eval_every=300,
 )
 
 

@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val_files", type=int, default=None, help="held-out files validated (default 8)")
     add_loop_args(p, steps=None, log_every=10, save_every=200, amp=None)
     if "threads" not in {a.dest for a in p._actions}:  # until memfit's loop flags carry it
-        p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+        p.add_argument("--threads", type=int, default=None, help="torch CPU threads (CPU recipe: 1)")
     return p
 
 
@@ -111,7 +111,8 @@ def resolve_recipe(args: argparse.Namespace) -> Recipe:
     recipe = recipe_for(args.config)
     if args.steps is None and args.max_minutes:
         args.steps = 10**7  # until the time budget
-    for key in ("batch_size", "seconds", "lr", "steps", "amp", "noisy_phase", "eval_every", "val_files"):
+    keys = ("batch_size", "seconds", "lr", "steps", "amp", "threads", "noisy_phase", "eval_every")
+    for key in (*keys, "val_files"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(recipe, key))
     return recipe
