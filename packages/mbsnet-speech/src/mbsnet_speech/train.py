@@ -290,6 +290,13 @@ def validation_hooks(items, every: int) -> dict:
         return {}
     from mbsnet_speech.eval import score_model
 
+    if dist_info().rank == 0:
+        ref = score_model(None, items)
+        print(
+            f"mbsnet-train: validation on {len(items)} held-out files; the noisy input scores "
+            f"PESQ-wb {ref['pesq']:.3f}, STOI {ref['stoi']:.3f}, SI-SDR {ref['si_sdr']:.2f} dB",
+            file=sys.stderr,
+        )
     return dict(
         eval_fn=lambda model: score_model(model, items), eval_every=every, best_metric="pesq", best_mode="max"
     )
