@@ -154,8 +154,9 @@ def budget_cosine_lambda(steps: int, warmup: int, max_minutes: float | None, min
 
 
 def _split_heldout(n: int, count: int) -> tuple[list[int], list[int]]:
-    """A fixed (seed-independent) choice of `count` of n files held out for validation; (train, val)."""
-    count = min(count, n - 1) if n > 1 else 0
+    """A fixed (seed-independent) choice of `count` of n files (at most a quarter) held out for
+    validation; (train, val)."""
+    count = min(count, n // 4)
     perm = np.random.default_rng(VAL_SEED).permutation(n)
     return sorted(int(i) for i in perm[count:]), sorted(int(i) for i in perm[:count])
 
