@@ -12,7 +12,10 @@ pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba bloc
 from mbsnet_speech import enhance, eval, train  # noqa: E402
 from mbsnet_speech.enhance import enhance_array  # noqa: E402
 
-TINY = ["--config", "tiny", "--batch_size", "2", "--seconds", "0.5", "--no_progress", "--log_every", "1"]
+TINY = [
+    *("--config", "tiny", "--batch_size", "2", "--seconds", "0.5", "--no_progress", "--log_every", "1"),
+    *("--val_files", "0"),  # no validation unless a test asks for it
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,24 +51,85 @@ def test_resume_continues_exactly(trained, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
-def test_train_on_voicebank_folder(tmp_path, make_voicebank):
+def test_train_on_voicebank_folder(tmp_path, make_voicebank, capsys):
     root = make_voicebank(tmp_path / "vb")
     out = train.main(
         [*TINY, "--steps", "1", "--data", str(root), "--runs_dir", str(tmp_path), "--run_name", "vb"]
     )
     assert np.isfinite(out["loss"])
-    with pytest.raises(SystemExit, match="clean_"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
         train.main(
-            [
-                *TINY,
-                "--steps",
-                "1",
-                "--data",
-                str(tmp_path / "runs_nothing_here"),
-                "--runs_dir",
-                str(tmp_path),
-            ]
+            [*TINY, "--steps", "1", "--data", str(tmp_path / "nothing_here"), "--runs_dir", str(tmp_path)]
         )
+    assert e.value.code == 2 and "clean_" in capsys.readouterr().err
+
+
+def test_validation_keeps_the_best_checkpoint_and_eval_uses_it(tmp_path, capsys):
+    run = tmp_path / "mbsnet-speech" / "val"
+    train.main(
+        [*TINY, "--steps", "4", "--eval_every", "1", "--val_files", "2", "--save_every", "0"]
+        + ["--lr", "5e-2", "--runs_dir", str(tmp_path), "--run_name", "val"]
+    )
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval/pesq" in r]
+    assert [r["step"] for r in evals] == [1, 2, 3, 4]
+    assert all(np.isfinite(r["eval/stoi"]) and np.isfinite(r["eval/si_sdr"]) for r in evals)
+    best = max(evals, key=lambda r: r["eval/pesq"])
+    saved = torch.load(run / "best.pt", weights_only=True)
+    assert saved["step"] == best["step"] == evals[-1]["best_step"]
+    capsys.readouterr()
+    eval.main(["--ckpt", str(run), "--pairs", "2", "--seconds", "1.5", "--out", str(tmp_path / "ev")])
+    out = capsys.readouterr().out
+    assert (
+        f"checkpoint: {run / 'best.pt'} (step {best['step']})" in out and "2 generated held-out pairs" in out
+    )
+    report = json.loads((tmp_path / "ev" / "metrics.json").read_text())
+    assert report["checkpoint"] == str(run / "best.pt") and len(report["files"]) == 2
+    assert np.isfinite(report["summary"]["classical/pesq_wb"])  # the Wiener baseline beside the model
+
+
+def test_max_minutes_stops_and_saves(tmp_path):
+    run = tmp_path / "mbsnet-speech" / "budget"
+    train.main([*TINY, "--max_minutes", "0.001", "--runs_dir", str(tmp_path), "--run_name", "budget"])
+    ckpts = sorted(run.glob("ckpt_*.pt"))
+    assert len(ckpts) == 1 and torch.load(ckpts[0], weights_only=True)["step"] >= 1
+
+
+def test_train_mixes_a_clean_folder_on_the_fly(tmp_path, speech, capsys):
+    clean, _, fs = speech
+    (tmp_path / "clean").mkdir()
+    for i in range(3):
+        sf.write(tmp_path / "clean" / f"c{i}.wav", clean[i * 12000 : i * 12000 + 16000], fs)
+    common = [*TINY, "--steps", "1", "--runs_dir", str(tmp_path)]
+    out = train.main([*common, "--clean", str(tmp_path / "clean"), "--snr", "0", "10"])
+    assert np.isfinite(out["loss"])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "noise").mkdir()
+    sf.write(tmp_path / "noise" / "blip.wav", np.zeros(200, np.float32), fs)
+    bad = {
+        "no .wav or .flac": ["--clean", str(tmp_path / "empty")],
+        "shorter than one STFT frame": [
+            "--clean",
+            str(tmp_path / "clean"),
+            "--noise",
+            str(tmp_path / "noise"),
+        ],
+        "MIN <= MAX": ["--clean", str(tmp_path / "clean"), "--snr", "10", "0"],
+    }
+    for msg, args in bad.items():
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            train.main([*common, *args])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and msg in err[0] and err[0].startswith("error: ")
+
+
+def test_eval_finds_noise_kinds_in_file_names():
+    assert eval.noise_kind("test_001_awb_pink_0dB.flac") == "pink"
+    assert eval.noise_kind("p232_001_babble_-5dB.wav") == "babble"
+    assert eval.noise_kind("x_white.wav") == "white"
+    assert eval.noise_kind("p232_001.wav") is None
 
 
 def test_eval_writes_table_csv_and_spectrogram(trained, tmp_path, capsys):
@@ -132,3 +196,33 @@ def test_enhance_long_file_in_chunks(trained, tmp_path, speech):
     assert sr == 16000 and len(y) == len(long) and np.isfinite(y).all() and np.abs(y).max() > 0
     with pytest.raises(SystemExit, match="does not exist"):
         enhance.main([str(tmp_path / "nope.wav"), "--out", str(tmp_path), "--ckpt", str(run_dir)])
+
+
+def test_learning_rate_follows_the_time_budget(monkeypatch):
+    """With --max_minutes the cosine reaches its floor when the budget runs out, whatever the step."""
+    now = [100.0]
+    monkeypatch.setattr(train.time, "monotonic", lambda: now[0])
+    f = train.budget_cosine_lambda(steps=10**7, warmup=10, max_minutes=2.0, min_ratio=0.1)
+    assert f(0) == pytest.approx(1 / 11) and f(9) == pytest.approx(10 / 11)  # warmup
+    assert f(10) == pytest.approx(1.0)
+    now[0] += 60  # half the budget: the middle of the cosine
+    assert f(500) == pytest.approx(0.1 + 0.9 * 0.5)
+    now[0] += 60
+    assert f(501) == pytest.approx(0.1)
+    g = train.budget_cosine_lambda(steps=110, warmup=10, max_minutes=None)
+    assert g(60) == pytest.approx(0.1 + 0.9 * 0.5) and g(110) == pytest.approx(0.1)
+
+
+def test_noisy_phase_keeps_the_input_phase_and_trains_only_the_mask():
+    torch.manual_seed(0)
+    from mbsnet_speech.config import tiny_config
+    from mbsnet_speech.model import MBSNet
+
+    model = MBSNet(tiny_config())
+    train.freeze_phase_head(model)
+    x = 0.1 * torch.randn(2, 4000)
+    out = model(x)
+    _, pha = model.stft(x)
+    torch.testing.assert_close(out.pha, pha, rtol=0, atol=0)
+    frozen = {n for n, q in model.named_parameters() if not q.requires_grad}
+    assert frozen and all(n.startswith("phase_head.") for n in frozen)

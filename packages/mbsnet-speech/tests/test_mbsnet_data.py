@@ -2,9 +2,14 @@ import numpy as np
 import pytest
 import soundfile as sf
 from mbsnet_speech.data import (
+    MIX_NOISE_KINDS,
+    MixSource,
+    audio_files,
     find_pairs,
     folder_batch,
     heldout_pairs,
+    make_noise,
+    mix_batch,
     pair_rng,
     read_wav,
     synth_batch,
@@ -71,3 +76,54 @@ def test_bad_folders_raise_clear_errors(tmp_path, make_voicebank):
         find_pairs(root, split="test")
     with pytest.raises(ValueError, match="valid wav"):
         read_wav(root / "noisy_testset_wav" / "p002.wav")
+
+
+def _realised_snr(noisy: np.ndarray, clean: np.ndarray) -> np.ndarray:
+    n, c = noisy.astype(np.float64), clean.astype(np.float64)
+    return 10 * np.log10(np.sum(c**2, 1) / np.sum((n - c) ** 2, 1))
+
+
+def test_on_the_fly_mix_hits_the_requested_snr(tmp_path, speech):
+    clean, _, fs = speech
+    (tmp_path / "clean").mkdir()
+    for i in range(3):  # 1 s clips of real speech
+        sf.write(tmp_path / "clean" / f"c{i}.wav", clean[i * 12000 : i * 12000 + 16000], fs)
+    (tmp_path / "noise").mkdir()
+    sf.write(tmp_path / "noise" / "short.wav", make_noise("pink", 3000, np.random.default_rng(0)) * 0.1, fs)
+    files = audio_files(tmp_path / "clean", "--clean")
+    for noise in (None, audio_files(tmp_path / "noise", "--noise")):  # built-in kinds, then a (tiled) file
+        src = MixSource(files, noise, snr=(-5.0, 15.0))
+        noisy, cl, snr = mix_batch(src, 16, 8000, pair_rng(0, 3))
+        assert noisy.shape == cl.shape == (16, 8000) and noisy.dtype == np.float32
+        assert np.all(np.abs(_realised_snr(noisy, cl) - snr) < 0.1)
+        assert np.all((snr >= -5) & (snr <= 15)) and snr.std() > 2  # random SNRs across the range
+        peaks = np.abs(noisy).max(1)
+        assert peaks.max() <= 0.9 + 1e-6 and peaks.min() < 0.6  # random gain, no clipping
+        again = mix_batch(src, 16, 8000, pair_rng(0, 3))
+        other = mix_batch(src, 16, 8000, pair_rng(0, 4))
+        assert np.array_equal(noisy, again[0])  # deterministic per (seed, step): resume is exact
+        assert not np.array_equal(noisy, other[0])  # a new mix every step
+
+
+def test_builtin_noise_kinds_are_unit_power_and_distinct():
+    rng = np.random.default_rng(0)
+    spectra = {}
+    for kind in MIX_NOISE_KINDS:
+        x = make_noise(kind, 16000, rng)
+        assert np.mean(x**2) == pytest.approx(1.0, rel=1e-3)
+        spectra[kind] = np.abs(np.fft.rfft(x)) ** 2
+    low = {k: s[:500].sum() / s.sum() for k, s in spectra.items()}  # share of power below 500 Hz (1 Hz bins)
+    assert low["brown"] > 0.9 and low["white"] < 0.08 and low["hum"] > 0.8
+
+
+def test_on_the_fly_mix_rejects_bad_input(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("no audio here")
+    with pytest.raises(ValueError, match="no .wav or .flac"):
+        audio_files(tmp_path / "empty", "--clean")
+    (tmp_path / "n").mkdir()
+    sf.write(tmp_path / "n" / "tiny.wav", np.zeros(100, np.float32), 16000)
+    with pytest.raises(ValueError, match="shorter than one STFT frame"):
+        audio_files(tmp_path / "n", "--noise")
+    with pytest.raises(ValueError, match="MIN <= MAX"):
+        MixSource([tmp_path / "x.wav"], None, snr=(10.0, 0.0))

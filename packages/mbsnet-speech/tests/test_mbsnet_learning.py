@@ -1,4 +1,9 @@
+"""Learning quality of the CPU recipe (slow): it must really enhance speech it never saw."""
+
+import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -6,44 +11,62 @@ pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba bloc
 
 from mbsnet_speech import eval, train  # noqa: E402
 
+SPEECH_TTS = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "speech-tts"
+# the issue's budget: 20 minutes of training on a 2-core CPU (the recipe trains on 1 thread);
+# MBSNET_TEST_MINUTES shortens it for a try
+MINUTES = float(os.environ.get("MBSNET_TEST_MINUTES", "20"))
+
+
+def _report(name: str, t_train: float, s: dict) -> None:
+    print(
+        f"\n{name}: train {t_train / 60:.1f} min; "
+        f"PESQ-wb {s['noisy/pesq_wb']:.3f} -> {s['enhanced/pesq_wb']:.3f} "
+        f"(Wiener {s['classical/pesq_wb']:.3f}); STOI {s['noisy/stoi']:.3f} -> {s['enhanced/stoi']:.3f}; "
+        f"SI-SDR {s['noisy/si_sdr']:.2f} -> {s['enhanced/si_sdr']:.2f} dB"
+    )
+
 
 @pytest.mark.slow
-def test_short_training_improves_pesq_on_unseen_pairs(tmp_path):
-    """A few minutes of CPU training on generated pairs beats the noisy input on held-out pairs."""
+def test_cpu_recipe_on_generated_pairs_improves_pesq_and_keeps_stoi(tmp_path):
+    """The default offline `train` (generated pairs, CPU recipe) improves held-out pairs without costing
+    intelligibility."""
     t0 = time.perf_counter()
     train.main(
-        [
-            "--config",
-            "tiny",
-            "--channels",
-            "32",
-            "--batch_size",
-            "4",
-            "--seconds",
-            "1.0",
-            "--steps",
-            "300",
-            "--lr",
-            "2e-3",
-            "--save_every",
-            "0",
-            "--no_progress",
-            "--log_every",
-            "50",
-            "--runs_dir",
-            str(tmp_path),
-            "--run_name",
-            "learn",
-        ]
+        ["--config", "cpu", "--steps", "400", "--no_progress", "--log_every", "50"]
+        + ["--runs_dir", str(tmp_path), "--run_name", "gen"]
     )
     t_train = time.perf_counter() - t0
-    summary = eval.main(
-        ["--ckpt", str(tmp_path / "mbsnet-speech" / "learn"), "--pairs", "12", "--seconds", "3"]
+    s = eval.main(["--ckpt", str(tmp_path / "mbsnet-speech" / "gen"), "--pairs", "12", "--seconds", "3"])
+    _report("generated", t_train, s)
+    assert s["n_failed"] == 0
+    assert s["delta/pesq_wb"] > 0 and s["delta/si_sdr"] > 0
+    assert s["delta/stoi"] >= 0
+
+
+@pytest.mark.slow
+def test_cpu_recipe_on_speech_tts_reaches_the_goal(tmp_path):
+    """Issue 16's goal: `train --data speech-tts --max_minutes 20` (CPU recipe, 1 thread), then on the
+    unseen test split: PESQ-wb +0.6 over noisy and every noise kind up, STOI +0.01, SI-SDR up, and
+    +0.2 PESQ-wb over the classical Wiener baseline."""
+    if not (SPEECH_TTS / "clean_train").is_dir():
+        pytest.skip(f"speech-tts corpus not found at {SPEECH_TTS}")
+    t0 = time.perf_counter()
+    train.main(
+        ["--config", "cpu", "--data", str(SPEECH_TTS), "--max_minutes", str(MINUTES)]
+        + ["--no_progress", "--log_every", "100", "--runs_dir", str(tmp_path), "--run_name", "tts"]
     )
-    print(
-        f"\ntrain {t_train:.0f} s; PESQ-wb {summary['noisy/pesq_wb']:.3f} -> "
-        f"{summary['enhanced/pesq_wb']:.3f} "
-        f"(delta {summary['delta/pesq_wb']:+.3f}); SI-SDR delta {summary['delta/si_sdr']:+.2f} dB"
+    t_train = time.perf_counter() - t0
+    out = tmp_path / "eval"
+    s = eval.main(
+        ["--ckpt", str(tmp_path / "mbsnet-speech" / "tts"), "--data", str(SPEECH_TTS), "--out", str(out)]
     )
-    assert summary["n_failed"] == 0
-    assert summary["delta/pesq_wb"] > 0
+    _report("speech-tts test split", t_train, s)
+    assert s["n_ok"] == 64 and s["n_failed"] == 0
+    assert s["delta/pesq_wb"] >= 0.60
+    assert s["delta/stoi"] >= 0.01
+    assert s["delta/si_sdr"] > 0
+    assert s["enhanced/pesq_wb"] >= s["classical/pesq_wb"] + 0.20
+    per_kind = json.loads((out / "metrics.json").read_text())["per_noise_kind"]
+    assert len(per_kind) == 5 and all(
+        d["enhanced/pesq_wb"] > d["noisy/pesq_wb"] for d in per_kind.values()
+    ), per_kind

@@ -83,7 +83,7 @@ class System:
         runs_dir: str | Path = "runs",
         **overrides: Any,
     ) -> tuple[Any, dict[str, Any]]:
-        """(model in eval mode on device, checkpoint) from a run (name or folder: best.pt, else the
+        """(model in eval mode on device, checkpoint with its "path") from a run (name or folder: best.pt, else the
         newest checkpoint) or a checkpoint file; overrides replace config fields (e.g. pcs=True).
         Another system's checkpoint, an old-format one or weights that do not fit: UsageError."""
         if self.config_cls is None or self.build_model is None:
@@ -115,6 +115,7 @@ class System:
         except (TypeError, ValueError, RuntimeError) as e:
             first = str(e).strip().splitlines()[0][:160]
             raise UsageError(f"error: {path}: its weights do not fit its config ({first})") from None
+        state["path"] = str(path)  # which file was loaded, for eval reports
         return model.to(device).eval(), state
 
     def command(self, kind: str) -> Callable[..., int]:

@@ -202,7 +202,8 @@ VOWELS = np.array(
     ],
     dtype=np.float32,
 )
-NOISE_KINDS = ("white", "pink", "babble")
+NOISE_KINDS = ("white", "pink", "babble")  # the generated default data
+MIX_NOISE_KINDS = ("white", "pink", "brown", "babble", "hum")  # built-in noises of on-the-fly mixing
 
 
 def _raised_cos_env(n: int, edge: int) -> np.ndarray:
@@ -267,10 +268,18 @@ def make_noise(kind: str, n: int, rng: np.random.Generator, sr: int = SAMPLE_RAT
         f = np.fft.rfftfreq(n, 1 / sr)
         spec /= np.sqrt(np.maximum(f, 20.0))
         x = np.fft.irfft(spec, n).astype(np.float32)
+    elif kind == "brown":
+        x = np.cumsum(rng.standard_normal(n)).astype(np.float32)
+        x -= np.linspace(x[0], x[-1], n, dtype=np.float32)  # no drift: a random walk pinned at both ends
+    elif kind == "hum":  # mains hum (50 or 60 Hz and harmonics) with a little hiss
+        t = np.arange(n, dtype=np.float32) / sr
+        f = 50.0 if rng.random() < 0.5 else 60.0
+        x = sum(np.sin(2 * np.pi * f * h * t + rng.uniform(0, 6.3)) / h for h in (1, 2, 3, 5))
+        x = x + 0.1 * rng.standard_normal(n)
     elif kind == "babble":
         x = sum(synth_speech(n, rng, sr) for _ in range(int(rng.integers(4, 7))))
     else:
-        raise ValueError(f"unknown noise kind {kind!r}; choose from {', '.join(NOISE_KINDS)}")
+        raise ValueError(f"unknown noise kind {kind!r}; choose from {', '.join(MIX_NOISE_KINDS)}")
     return x / (np.sqrt(np.mean(x**2)) + 1e-8)
 
 
@@ -316,3 +325,76 @@ def heldout_pairs(
         noisy, clean = synth_pair(int(seconds * SAMPLE_RATE), pair_rng(seed, i, 0, HELDOUT_STREAM), **kw)
         out.append((f"heldout_{i:03d}.wav", noisy, clean))
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# On-the-fly mixing (DNS-Challenge style): clean utterances + noise at a random SNR, a new mix every step
+# ----------------------------------------------------------------------------------------------------
+
+
+def audio_files(d: str | Path, what: str) -> list[Path]:
+    """Every .wav/.flac under folder d (recursively), sorted; ValueError naming the folder when none."""
+    d = Path(d)
+    if not d.is_dir():
+        raise ValueError(f"{what} {d} is not a folder; pass a folder of .wav/.flac files")
+    files = sorted(p for p in d.rglob("*") if p.suffix.lower() in AUDIO_EXTS and p.is_file())
+    if not files:
+        raise ValueError(f"{what} {d} contains no .wav or .flac files; pass a folder of audio files")
+    for path in files:
+        try:
+            info = sf.info(str(path))
+        except (sf.LibsndfileError, RuntimeError) as e:
+            raise ValueError(f"cannot read {path} as audio ({e}); remove or replace the corrupt file") from e
+        if info.frames * SAMPLE_RATE / info.samplerate < MIN_SAMPLES:
+            raise ValueError(
+                f"{path} is {info.frames} samples at {info.samplerate} Hz, shorter than one STFT frame "
+                f"({MIN_SAMPLES} samples at 16 kHz); remove it"
+            )
+    return files
+
+
+@dataclass
+class MixSource:
+    """Clean utterances mixed with noise files (or the built-in kinds) at SNRs in snr (dB)."""
+
+    clean: list[Path]
+    noise: list[Path] | None = None  # None: the built-in kinds, MIX_NOISE_KINDS
+    snr: tuple[float, float] = (-5.0, 15.0)
+
+    def __post_init__(self) -> None:
+        lo, hi = self.snr
+        if lo > hi:
+            raise ValueError(f"--snr MIN MAX needs MIN <= MAX, got {lo:g} > {hi:g}; swap them")
+
+
+def _crop_or_tile(x: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """A random n-sample window of x; shorter x is rolled by a random offset and repeated to n."""
+    if len(x) >= n:
+        s = int(rng.integers(len(x) - n + 1))
+        return x[s : s + n]
+    return np.resize(np.roll(x, int(rng.integers(len(x)))), n)
+
+
+def mix_batch(
+    src: MixSource, batch: int, crop: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(noisy, clean, snr_db) float32 (batch, crop), (batch,): a random crop of a random clean file
+    (zero-padded when shorter) plus noise at a random SNR over the crop, both scaled by one random gain
+    (peak of the mix 0.1..0.9, so nothing clips and the realised SNR is the requested one)."""
+    noisy = np.zeros((batch, crop), np.float32)
+    clean = np.zeros((batch, crop), np.float32)
+    snrs = rng.uniform(*src.snr, size=batch).astype(np.float32)
+    for b in range(batch):
+        c = _load_cached(str(src.clean[int(rng.integers(len(src.clean)))]))
+        if len(c) > crop:
+            s = int(rng.integers(len(c) - crop + 1))
+            c = c[s : s + crop]
+        c = np.pad(c, (0, crop - len(c)))
+        if src.noise:
+            nz = _crop_or_tile(_load_cached(str(src.noise[int(rng.integers(len(src.noise)))])), crop, rng)
+        else:
+            nz = make_noise(MIX_NOISE_KINDS[int(rng.integers(len(MIX_NOISE_KINDS)))], crop, rng)
+        y = mix(c, nz, float(snrs[b]))
+        gain = rng.uniform(0.1, 0.9) / (np.max(np.abs(y)) + 1e-8)
+        noisy[b], clean[b] = y * gain, c * gain
+    return noisy, clean, snrs

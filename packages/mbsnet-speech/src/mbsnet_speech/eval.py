@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +17,59 @@ from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_d
 from memfit.run_dir import resolve_run
 from memfit.training import resolve_device
 
-from mbsnet_speech.data import SAMPLE_RATE, find_pairs, heldout_pairs
-from mbsnet_speech.enhance import enhance_array, load_model, model_fn
-from mbsnet_speech.metrics import PairResult, evaluate_pairs, summarise
+from mbsnet_speech.classical import wiener_enhance
+from mbsnet_speech.data import MIX_NOISE_KINDS, SAMPLE_RATE, find_pairs, heldout_pairs
+from mbsnet_speech.enhance import enhance_array, model_fn
+from mbsnet_speech.metrics import PairResult, evaluate_pairs, pesq_score, si_sdr, stoi_score, summarise
 
 METRICS = ("pesq_wb", "pesq_nb", "stoi", "si_sdr")
+
+
+def score_model(model, items: list[tuple[str, np.ndarray, np.ndarray]]) -> dict[str, float]:
+    """Mean PESQ-wb, STOI and SI-SDR of the model's output on [(name, noisy, clean)]: the validation
+    during training (a file the metrics reject is left out). model None scores the noisy input."""
+    fn = model_fn(model) if model is not None else None
+    scores = []
+    for _, noisy, clean in items:
+        enh = enhance_array(fn, noisy) if fn is not None else noisy
+        try:
+            scores.append((pesq_score(clean, enh), stoi_score(clean, enh), si_sdr(clean, enh)))
+        except ValueError:
+            continue
+    if not scores:
+        return {"pesq": float("nan"), "stoi": float("nan"), "si_sdr": float("nan")}
+    m = np.mean(scores, axis=0)
+    return {"pesq": float(m[0]), "stoi": float(m[1]), "si_sdr": float(m[2])}
+
+
+_KIND = re.compile(r"_([A-Za-z]+)_-?\d+(?:\.\d+)?dB")
+
+
+def noise_kind(name: str) -> str | None:
+    """The noise kind a file name carries ('x_awb_pink_5dB.flac' -> 'pink'), else None."""
+    m = _KIND.search(name)
+    if m:
+        return m.group(1).lower()
+    tokens = re.split(r"[_\-.]", name.lower())
+    return next((k for k in MIX_NOISE_KINDS if k in tokens), None)
+
+
+def group_means(results: list[PairResult], classical: list[PairResult]) -> dict[str, dict[str, float]]:
+    """Per noise kind (from the file names): {kind: {noisy/m, enhanced/m, classical/m, n}}."""
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(results):
+        kind = noise_kind(r.name)
+        if kind is not None and r.error is None and classical[i].error is None:
+            groups.setdefault(kind, []).append(i)
+    out = {}
+    for kind, idx in sorted(groups.items()):
+        row: dict[str, float] = {"n": len(idx)}
+        for m in METRICS:
+            row[f"noisy/{m}"] = float(np.mean([results[i].noisy[m] for i in idx]))
+            row[f"enhanced/{m}"] = float(np.mean([results[i].enhanced[m] for i in idx]))
+            row[f"classical/{m}"] = float(np.mean([classical[i].enhanced[m] for i in idx]))
+        out[kind] = row
+    return out
 
 
 def load_pairs(
@@ -119,24 +169,62 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
     out_dir = eval_out_dir(args, run)
     try:
-        model = load_model(run, resolve_device(args.device), pcs=args.pcs or None)
+        from mbsnet_speech.system import SYSTEM
+
+        pcs = {"pcs": True} if args.pcs else {}
+        model, state = SYSTEM.load_model(run, resolve_device(args.device), **pcs)
         items = load_pairs(args.data, args.pairs, args.seconds, args.limit)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
+    data_desc = (
+        f"{len(items)} generated held-out pairs"
+        if args.data is None
+        else f"{len(items)} pairs from {args.data} ({'test split' if _has_test(args.data) else 'all'})"
+    )
+    print(f"checkpoint: {state['path']} (step {state.get('step', '?')})\ndata: {data_desc}")
     fn = model_fn(model)
-    rows, enhanced = [], {}
+    rows, classical_rows, enhanced = [], [], {}
     for name, noisy, clean in items:
         try:
             enh = enhance_array(fn, noisy)
         except ValueError as e:  # recorded by evaluate_pairs as this file's failure
             enh = np.full_like(noisy, np.nan)
             print(f"{name}: enhancement failed: {e}")
+        try:
+            wiener = wiener_enhance(noisy)
+        except ValueError:
+            wiener = np.full_like(noisy, np.nan)
         enhanced[name] = enh
         rows.append((name, clean, noisy, enh))
+        classical_rows.append((name, clean, noisy, wiener))
     results = evaluate_pairs(rows)
+    classical = evaluate_pairs(classical_rows)
     summary = summarise(results)
+    for key, value in summarise(classical).items():
+        if key.startswith("enhanced/"):
+            summary["classical/" + key.split("/", 1)[1]] = value
+    per_kind = group_means(results, classical)
     print(format_table(results, summary))
+    print(format_baseline(summary, per_kind))
     write_csv(out_dir / "metrics.csv", results)
+    report = {
+        "checkpoint": state["path"],
+        "step": state.get("step"),
+        "data": data_desc,
+        "summary": summary,
+        "per_noise_kind": per_kind,
+        "files": [
+            {
+                "file": r.name,
+                "noisy": r.noisy,
+                "enhanced": r.enhanced,
+                "classical": c.enhanced,
+                "error": r.error,
+            }
+            for r, c in zip(results, classical)
+        ],
+    }
+    (out_dir / "metrics.json").write_text(json.dumps(report, indent=1))
     ok = next((r for r in results if r.error is None), None)
     if ok is not None:
         noisy, clean = next((n, c) for nm, n, c in items if nm == ok.name)
@@ -147,8 +235,37 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             clean,
             f"{ok.name}: PESQ-wb {ok.noisy['pesq_wb']:.2f} -> {ok.enhanced['pesq_wb']:.2f}",
         )
-    print(f"wrote {out_dir / 'metrics.csv'} and {out_dir / 'spectrogram.png'}")
+    print(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'metrics.json'} and {out_dir / 'spectrogram.png'}")
     return summary
+
+
+def _has_test(root: str) -> bool:
+    try:
+        find_pairs(root, split="test")
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
+
+
+def format_baseline(summary: dict[str, float], per_kind: dict[str, dict[str, float]]) -> str:
+    """Means of noisy / model / classical Wiener baseline, overall and per noise kind."""
+    if not summary.get("n_ok"):
+        return ""
+    cols = ("pesq_wb", "stoi", "si_sdr")
+    head = f"{'':<18}{'n':>4}" + "".join(f"{m + ' noisy / model / Wiener':>34}" for m in cols)
+    lines = ["", head, "-" * len(head)]
+
+    def row(label: str, d: dict[str, float], n: int) -> str:
+        cells = "".join(
+            f"{d[f'noisy/{m}']:>14.3f} /{d[f'enhanced/{m}']:>7.3f} /{d[f'classical/{m}']:>7.3f}   "
+            for m in cols
+        )
+        return f"{label:<18}{n:>4}{cells}"
+
+    lines.append(row("all", summary, int(summary["n_ok"])))
+    for kind, d in per_kind.items():
+        lines.append(row(kind, d, int(d["n"])))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias

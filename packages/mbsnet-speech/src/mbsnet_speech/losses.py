@@ -1,0 +1,81 @@
+"""Speech-enhancement losses as MP-SENet / SEMamba / CMGAN train them, each term returned for the log.
+
+- ``mag``: MSE of the compressed magnitudes |S|^0.3 (the model's own representation)
+- ``com``: MSE of the compressed complex spectrum's real and imaginary parts (x2, as MP-SENet)
+- ``pha``: anti-wrapping phase losses: instantaneous phase, group delay (difference along frequency)
+  and instantaneous angular frequency (difference along time); a 2*pi*k error counts as zero
+- ``time``: L1 of the waveforms
+- ``stft``: multi-resolution STFT loss (Parallel WaveGAN): spectral convergence + L1 of log magnitudes
+  at three window sizes, on the waveform the model outputs
+
+The weights live in ``LossWeights`` (config.py); a zero weight skips its term.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mbsnet_speech.config import LossWeights
+
+# (n_fft, hop) of the multi-resolution STFT loss at 16 kHz: 16, 32 and 64 ms windows
+STFT_RESOLUTIONS = ((256, 64), (512, 128), (1024, 256))
+
+
+def anti_wrapping(x: torch.Tensor) -> torch.Tensor:
+    """|x| folded into [0, pi]: a phase error of 2*pi*k counts as zero."""
+    return torch.abs(x - 2 * math.pi * torch.round(x / (2 * math.pi)))
+
+
+def phase_loss(pha_hat: torch.Tensor, pha: torch.Tensor) -> torch.Tensor:
+    """Anti-wrapping instantaneous phase + group delay (along F) + inst. frequency (along T); (B, F, T)."""
+    ip = anti_wrapping(pha_hat - pha).mean()
+    gd = anti_wrapping(torch.diff(pha_hat, dim=1) - torch.diff(pha, dim=1)).mean()
+    iaf = anti_wrapping(torch.diff(pha_hat, dim=2) - torch.diff(pha, dim=2)).mean()
+    return ip + gd + iaf
+
+
+def complex_loss(mag_hat: torch.Tensor, pha_hat: torch.Tensor, mag: torch.Tensor, pha: torch.Tensor):
+    """2 x MSE of (real, imag) of the compressed spectra mag * exp(i pha)."""
+    return 2 * F.mse_loss(
+        torch.stack((mag_hat * torch.cos(pha_hat), mag_hat * torch.sin(pha_hat))),
+        torch.stack((mag * torch.cos(pha), mag * torch.sin(pha))),
+    )
+
+
+def stft_loss(wav_hat: torch.Tensor, wav: torch.Tensor, resolutions=STFT_RESOLUTIONS) -> torch.Tensor:
+    """Mean over resolutions of spectral convergence ||S - S_hat||_F / ||S||_F + mean |log S - log S_hat|."""
+    total = wav.new_zeros(())
+    for n_fft, hop in resolutions:
+        window = torch.hann_window(n_fft, device=wav.device)
+        both = torch.cat((wav_hat, wav)).float()
+        mags = torch.stft(both, n_fft, hop, window=window, return_complex=True).abs().clamp_min(1e-7)
+        m_hat, m = mags.chunk(2)
+        sc = torch.linalg.norm(m - m_hat) / torch.linalg.norm(m).clamp_min(1e-7)
+        total = total + sc + F.l1_loss(torch.log(m_hat), torch.log(m))
+    return total / len(resolutions)
+
+
+def enhancement_loss(model, batch: tuple[torch.Tensor, torch.Tensor], weights: LossWeights | None = None):
+    """batch = (noisy, clean) (B, T) -> (weighted loss, {term: value}) for every term with a weight."""
+    w = weights or LossWeights()
+    noisy, clean = batch
+    out = model(noisy)
+    raw = model.module if hasattr(model, "module") else model  # DDP wraps the model
+    with torch.no_grad():
+        mag, pha = raw.stft(clean)
+    terms = {}
+    if w.mag:
+        terms["mag"] = F.mse_loss(out.mag, mag)
+    if w.com:
+        terms["com"] = complex_loss(out.mag, out.pha, mag, pha)
+    if w.pha:
+        terms["pha"] = phase_loss(out.pha, pha)
+    if w.time:
+        terms["time"] = F.l1_loss(out.wav.float(), clean.float())
+    if w.stft:
+        terms["stft"] = stft_loss(out.wav, clean)
+    loss = sum(getattr(w, k) * v for k, v in terms.items())
+    return loss, {k: v.detach() for k, v in terms.items()}

@@ -1,0 +1,142 @@
+"""Short CPU runs that chose mbsnet-speech's CPU recipe: a CPU-time budget, scored on held-out TRAIN files.
+
+    uv run python tools/mbsnet_short_runs.py --name base --minutes 4 [--channels 48] [--lr 4e-3]
+        [--hop 200] [--bidir] [--noisy_phase] [--loss '{"pha": 0.0}'] [--remix]
+
+One thread; the budget is process CPU time (so other jobs on the machine do not change the step count
+much); the validation set is 24 files carved from speech-tts's train split with a fixed seed (the test
+split is never read); prints one RESULT line with PESQ-wb / STOI / SI-SDR noisy -> enhanced.
+--remix mixes a clean file with another pair's noise (noisy - clean) at -5..15 dB instead of the
+fixed pairs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from mbsnet_speech.config import LossWeights, get_config
+from mbsnet_speech.data import PairFolder, find_pairs, folder_batch, mix, pair_rng
+from mbsnet_speech.enhance import enhance_array, model_fn
+from mbsnet_speech.losses import enhancement_loss
+from mbsnet_speech.metrics import pesq_score, si_sdr, stoi_score
+from mbsnet_speech.model import MBSNet, count_params
+from mbsnet_speech.train import freeze_phase_head
+
+DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "speech-tts"
+
+
+def remix_batch(pf: PairFolder, batch: int, crop: int, rng: np.random.Generator):
+    noisy, clean = np.zeros((batch, crop), np.float32), np.zeros((batch, crop), np.float32)
+    for b in range(batch):
+        c, _ = pf.load(int(rng.integers(len(pf))))
+        c2, n2 = pf.load(int(rng.integers(len(pf))))
+        nz = n2 - c2
+        if len(c) > crop:
+            s = int(rng.integers(len(c) - crop + 1))
+            c = c[s : s + crop]
+        c = np.pad(c, (0, crop - len(c)))
+        if len(nz) >= crop:
+            s = int(rng.integers(len(nz) - crop + 1))
+            nz = nz[s : s + crop]
+        else:
+            nz = np.resize(nz, crop)
+        y = mix(c, nz, rng.uniform(-5, 15))
+        g = rng.uniform(0.1, 0.9) / (np.abs(y).max() + 1e-8)
+        noisy[b], clean[b] = y * g, c * g
+    return noisy, clean
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--name", default="run")
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--minutes", type=float, default=4.0, help="CPU-time budget")
+    ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--bands", type=int, default=12)
+    ap.add_argument("--d_state", type=int, default=8)
+    ap.add_argument("--hop", type=int, default=100)
+    ap.add_argument("--bidir", action="store_true")
+    ap.add_argument("--noisy_phase", action="store_true")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seconds", type=float, default=1.0)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--loss", default="", help='LossWeights as JSON, e.g. {"pha": 0.0}')
+    ap.add_argument("--remix", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    weights = LossWeights(**json.loads(a.loss)) if a.loss else LossWeights()
+    pairs = find_pairs(a.data, split="train")
+    perm = np.random.default_rng(0).permutation(len(pairs))
+    val_idx, tr_idx = perm[:24], perm[24:]
+    tr = PairFolder(pairs.root, [pairs.clean[i] for i in tr_idx], [pairs.noisy[i] for i in tr_idx])
+    cfg = get_config(
+        "cpu",
+        channels=a.channels,
+        num_layers=a.layers,
+        num_bands=a.bands,
+        d_state=a.d_state,
+        hop=a.hop,
+        temporal_bidirectional=a.bidir,
+    )
+    torch.manual_seed(0)
+    model = MBSNet(cfg)
+    if a.noisy_phase:
+        freeze_phase_head(model)
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01, betas=(0.8, 0.99))
+    crop, budget, warmup = int(a.seconds * 16000), a.minutes * 60, 50
+    t0, step = time.process_time(), 0
+    while (elapsed := time.process_time() - t0) < budget:
+        cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * elapsed / budget))
+        for g in opt.param_groups:
+            g["lr"] = a.lr * min(1.0, (step + 1) / (warmup + 1)) * cosine
+        rng = pair_rng(0, step, 0)
+        noisy, clean = (
+            remix_batch(tr, a.batch, crop, rng) if a.remix else folder_batch(tr, a.batch, crop, rng)
+        )
+        loss, parts = enhancement_loss(model, (torch.from_numpy(noisy), torch.from_numpy(clean)), weights)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if step % 200 == 0:
+            print(
+                step,
+                f"{elapsed:.0f}s",
+                f"{loss.item():.4f}",
+                {k: round(float(v), 4) for k, v in parts.items()},
+            )
+    model.eval()
+    fn, res = model_fn(model), []
+    for i in val_idx:
+        c, n = pairs.load(int(i))
+        e = enhance_array(fn, n)
+        res.append(
+            [
+                pesq_score(c, n),
+                pesq_score(c, e),
+                stoi_score(c, n),
+                stoi_score(c, e),
+                si_sdr(c, n),
+                si_sdr(c, e),
+            ]
+        )
+    r = np.mean(res, axis=0)
+    print(
+        f"RESULT {a.name} params {count_params(model) / 1e3:.1f}k steps {step} "
+        f"({a.minutes:g} CPU min, 1 thread) "
+        f"val24 PESQ-wb {r[0]:.3f}->{r[1]:.3f} ({r[1] - r[0]:+.3f}) STOI {r[2]:.3f}->{r[3]:.3f} "
+        f"({r[3] - r[2]:+.3f}) SI-SDR {r[4]:.2f}->{r[5]:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
