@@ -83,8 +83,8 @@ class System:
         runs_dir: str | Path = "runs",
         **overrides: Any,
     ) -> tuple[Any, dict[str, Any]]:
-        """(model in eval mode on device, checkpoint with its "path") from a run (name or folder: best.pt, else the
-        newest checkpoint) or a checkpoint file; overrides replace config fields (e.g. pcs=True).
+        """(model in eval mode on device, checkpoint with its "path") from a run (name or folder: best.pt,
+        else the newest checkpoint) or a checkpoint file; overrides replace config fields (e.g. pcs=True).
         Another system's checkpoint, an old-format one or weights that do not fit: UsageError."""
         if self.config_cls is None or self.build_model is None:
             raise TypeError(f"system {self.name} registers no config_cls/build_model; it cannot load models")
