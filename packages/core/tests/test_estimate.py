@@ -380,7 +380,7 @@ BAD = [
     (["{f}:good", "--input", "2x9"], "the training step failed in `lin` (Linear)"),
     (["{f}:good", "--input", "2xq"], "is not a shape"),
     (["{f}:good"], "returns a module: give its input shape"),
-    (["{f}:good", "--input", "2x8", "--gpu-gib", "-1"], "--gpu-gib must be positive"),
+    (["{f}:good", "--input", "2x8", "--gpu-gib", "-1"], "--gpu_gib must be positive"),
     (["{f}:good", "--input", "2x8", "--gpu-gib", "1e-9"], "nothing fits"),
     (["{f}:good", "--input", "2x8", "--scale", "tokens"], "not a knob of this target"),
 ]
@@ -423,7 +423,7 @@ def test_fit_says_nothing_fits_in_one_line(capsys):
     if "gpt2-window" not in available_systems():
         pytest.skip("gpt2-window not installed")
     with pytest.raises(SystemExit) as info:
-        cli.main(["fit", "--system", "gpt2-window", "--gpu-gib", "0.01", "--variant", "causal"])
+        cli.main(["fit", "--system", "gpt2-window", "--gpu_gib", "0.01", "--variant", "causal"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1 and "nothing fits 0.01 GiB" in err
     assert "batch 0" not in err

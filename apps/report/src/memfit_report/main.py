@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from memfit.flags import hidden_alias
 from memfit.memory import GIB, estimate_training_step, measure_training_step
 from memfit.system import available_systems, load_system
 
@@ -224,8 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="memfit-report", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="reports/latest", help="output folder (default %(default)s)")
     p.add_argument("--system", action="append", help="only these systems (repeatable)")
-    p.add_argument("--no-bench", action="store_true", help="skip tools/bench_*.py")
-    p.add_argument("--no-calibration", action="store_true", help="skip the small real runs")
+    p.add_argument("--no_bench", action="store_true", help="skip tools/bench_*.py")
+    p.add_argument("--no_calibration", action="store_true", help="skip the small real runs")
+    hidden_alias(p, "--no-bench", dest="no_bench", action="store_true")  # the old spellings
+    hidden_alias(p, "--no-calibration", dest="no_calibration", action="store_true")
     p.add_argument("--tools", default="tools", help="folder of bench_*.py (default %(default)s)")
     args = p.parse_args(argv)
     installed = sorted(available_systems())

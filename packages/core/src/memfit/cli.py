@@ -16,6 +16,7 @@ from pathlib import Path
 
 from memfit.errors import run_command
 from memfit.estimate import add_parser as estimate_parser
+from memfit.flags import hidden_alias
 from memfit.system import BudgetEntry, available_systems, load_system
 
 # ----------------------------------------------------------------------------------------------------
@@ -181,8 +182,10 @@ def _fit(args: argparse.Namespace) -> int:
     if args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
         raise SystemExit(f"error: unknown system {args.system!r}; installed systems: {choices}")
+    if args.gpu_gib is None:
+        raise SystemExit("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
     if args.gpu_gib <= 0:
-        raise SystemExit(f"error: --gpu-gib must be positive, got {args.gpu_gib}")
+        raise SystemExit(f"error: --gpu_gib must be positive, got {args.gpu_gib}")
     results = fit_system(args.system, args.gpu_gib, args.max_batch, args.variant)
     if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
         print(message, file=sys.stderr)
@@ -220,9 +223,11 @@ def main(argv: list[str] | None = None) -> None:
     p.set_defaults(func=_budget)
     p = sub.add_parser("fit", help="largest batch (and whether checkpointing is needed) that fits a GPU")
     p.add_argument("--system", required=True)
-    p.add_argument("--gpu-gib", type=float, required=True, help="GPU memory to fit, GiB")
+    p.add_argument("--gpu_gib", type=float, help="GPU memory to fit, GiB (required)")
+    hidden_alias(p, "--gpu-gib", dest="gpu_gib", type=float)  # the old spelling
     p.add_argument("--variant", action="append", help="only these variants (repeatable)")
-    p.add_argument("--max-batch", type=int, default=4096)
+    p.add_argument("--max_batch", type=int, default=4096)
+    hidden_alias(p, "--max-batch", dest="max_batch", type=int)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_fit)
     estimate_parser(sub)

@@ -14,7 +14,7 @@ per allocation and free). From that one trace:
   removed or added.
 
 TARGET is ``path/to/file.py:func`` or ``package.module:func``. ``func()`` returns a
-``memfit.memory.TrainStep`` (integer keyword arguments such as ``batch`` become knobs for ``--gpu-gib``
+``memfit.memory.TrainStep`` (integer keyword arguments such as ``batch`` become knobs for ``--gpu_gib``
 and ``--scale``), or, with ``--input``, ``func`` is a module factory fed fake inputs of those shapes
 (see ``factory_step``).
 """
@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.flags import hidden_alias
 from memfit.memory import (
     CATEGORIES,
     GIB,
@@ -689,11 +690,13 @@ def add_parser(sub) -> None:
     p.add_argument("--top", type=int, default=10, help="how many tensor groups to list")
     p.add_argument("--explain", action="store_true", help="what-ifs: SDPA, bf16, checkpointing, half batch")
     p.add_argument("--scale", help="fit the activation exponent over 1x-4x of: batch, input:AXIS, or a knob")
-    p.add_argument("--gpu-gib", type=float, help="largest batch that fits a GPU of this many GiB")
-    p.add_argument("--margin", type=float, default=0.1, help="allocator margin for --gpu-gib (0.1 = 10%%)")
-    p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (with --gpu-gib)")
+    p.add_argument("--gpu_gib", type=float, help="largest batch that fits a GPU of this many GiB")
+    hidden_alias(p, "--gpu-gib", dest="gpu_gib", type=float)  # the old spelling
+    p.add_argument("--margin", type=float, default=0.1, help="allocator margin for --gpu_gib (0.1 = 10%%)")
+    p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks (with --gpu_gib)")
     p.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="how ranks hold the state")
-    p.add_argument("--max-batch", type=int, default=4096)
+    p.add_argument("--max_batch", type=int, default=4096)
+    hidden_alias(p, "--max-batch", dest="max_batch", type=int)
     p.add_argument("--json", action="store_true", help="everything as one JSON object")
     p.set_defaults(func=main)
 
@@ -713,11 +716,11 @@ def _main(args, json) -> int:
     from memfit import explain
 
     if args.gpu_gib is not None and args.gpu_gib <= 0:
-        raise BadInput(f"--gpu-gib must be positive, got {args.gpu_gib:g}")
+        raise BadInput(f"--gpu_gib must be positive, got {args.gpu_gib:g}")
     if not 0 <= args.margin < 1:
         raise BadInput(f"--margin is a fraction in [0, 1), e.g. 0.1; got {args.margin:g}")
     if args.ranks < 1 or args.top < 1 or args.max_batch < 1:
-        raise BadInput("--ranks, --top and --max-batch must be at least 1")
+        raise BadInput("--ranks, --top and --max_batch must be at least 1")
     target = load_target(args.target, args.input, args.dtype, args.loss_target, args.amp)
     result = estimate(target, args.top)
     out: dict[str, Any] = result.to_dict()

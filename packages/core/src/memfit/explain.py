@@ -1,4 +1,4 @@
-"""`memfit estimate --explain / --scale / --gpu-gib`: what-ifs on one traced step, and the largest batch.
+"""`memfit estimate --explain / --scale / --gpu_gib`: what-ifs on one traced step, and the largest batch.
 
 What-ifs (each a row with its saving against the step as given):
 
@@ -400,7 +400,7 @@ def fit_batch(
 ) -> BatchFit:
     if "batch" not in target.knobs:
         raise BadInput(
-            "--gpu-gib needs a batch knob: give your function a `batch` keyword argument, "
+            "--gpu_gib needs a batch knob: give your function a `batch` keyword argument, "
             "e.g. def step(batch: int = 32) -> TrainStep"
         )
     gather = block_param_bytes(target.step())[0] if shard == "fsdp" and ranks > 1 else 0

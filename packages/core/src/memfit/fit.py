@@ -96,7 +96,7 @@ def nothing_fits(system: str, gpu_gib: float, results: list[FitResult]) -> str |
     ckpt = " with checkpointing" if best.checkpointing else ""
     return (
         f"error: nothing fits {gpu_gib:g} GiB: the smallest {system} step, {best.variant}{ckpt} at batch 1, "
-        f"needs {best.estimated_gib:.2f} GiB; give a larger --gpu-gib"
+        f"needs {best.estimated_gib:.2f} GiB; give a larger --gpu_gib"
     )
 
 

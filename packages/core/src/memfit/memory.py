@@ -56,7 +56,7 @@ class TrainStep:
     A step is: ``loss(model, make_batch(device)).backward(); opt.step(); opt.zero_grad(set_to_none=True)``.
     Example::
 
-        def step(batch: int = 32) -> TrainStep:   # a `batch` keyword lets `--gpu-gib` / `--scale` vary it
+        def step(batch: int = 32) -> TrainStep:   # a `batch` keyword lets `--gpu_gib` / `--scale` vary it
             return TrainStep(
                 build_model=lambda: torchvision.models.resnet18(),
                 make_batch=lambda d: (torch.randn(batch, 3, 224, 224, device=d),
