@@ -128,7 +128,7 @@ def train_reference(data_path: Path, seed: int, iterations: int = 2000) -> float
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from nanogpt_ref import RefGPT, make_optimizer
 
-    data = load_data(data_path, log=lambda *a, **k: None)
+    data = load_data(data_path, tokenizer="char")
     torch.manual_seed(seed)
     model = RefGPT(data.vocab_size)
     opt = make_optimizer(model, lr=1e-3, weight_decay=0.1)
