@@ -16,26 +16,7 @@ import time
 import torch
 import torchvision
 from memfit.estimate import make_target
-from memfit.memory import MIB, TrainStep, estimate_training_step, fake_mode, measure_training_step
-
-
-def memtracker_peak(step: TrainStep) -> int:
-    """Two steps under PyTorch's MemTracker with fake tensors, as its docs run it."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    with fake_mode():
-        model = step.build_model()
-        opt = step.optimizer(model.parameters())
-        mt = MemTracker()
-        mt.track_external(model, opt)
-        with mt:
-            for i in range(2):
-                if i:
-                    mt.reset_mod_stats()
-                step.loss(model, step.make_batch(torch.device("cpu"))).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+from memfit.memory import MIB, estimate_training_step, measure_training_step, memtracker_peak
 
 
 def timed(fn):

@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from memfit import cli
 from memfit.estimate import make_target, trace_target
 from memfit.explain import fit_batch, recommend, scaling, sdpa_replay, what_ifs
-from memfit.memory import GIB, TrainStep, estimate_training_step, fake_mode, measure_training_step
+from memfit.memory import (
+    GIB,
+    estimate_training_step,
+    fake_mode,
+    measure_training_step,
+    memtracker_peak,
+)
 from torch import nn
 
 # ----------------------------------------------------------------------------------------------------
@@ -250,24 +256,6 @@ def test_scaling_flags_quadratic_attention_with_the_softmax():
 # ----------------------------------------------------------------------------------------------------
 
 
-def _memtracker_peak(step: TrainStep) -> int:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    with fake_mode():  # FakeTensorMode (with deepcopy kept in the mode, see memfit.memory.fake_mode)
-        model = step.build_model()
-        opt = step.optimizer(model.parameters())
-        mt = MemTracker()
-        mt.track_external(model, opt)
-        with mt:
-            for i in range(2):
-                if i:
-                    mt.reset_mod_stats()
-                step.loss(model, step.make_batch(torch.device("cpu"))).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-
-
 def _torchvision(name):
     tv = pytest.importorskip("torchvision")
     return getattr(tv.models, name)
@@ -293,7 +281,7 @@ def test_estimate_agrees_with_pytorch_memtracker(name, shape):
     else:
         t = make_target(_torchvision(name), name, [shape])
     step = t.step()
-    ours, theirs = estimate_training_step(step).peak_bytes, _memtracker_peak(step)
+    ours, theirs = estimate_training_step(step).peak_bytes, memtracker_peak(step)
     assert abs(ours - theirs) <= 0.05 * theirs, (ours / 2**20, theirs / 2**20)
 
 

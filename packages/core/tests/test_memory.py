@@ -6,7 +6,13 @@ import resource
 import pytest
 import torch
 import torch.nn.functional as F
-from memfit.memory import TrainStep, estimate_training_step, measure_peak, measure_training_step
+from memfit.memory import (
+    TrainStep,
+    estimate_training_step,
+    measure_peak,
+    measure_training_step,
+    memtracker_peak,
+)
 from torch import nn
 
 
@@ -158,24 +164,8 @@ def test_measure_peak_counts_live_tensors_only():
 @pytest.mark.parametrize("name", ["attention", "checkpoint"])
 def test_estimate_agrees_with_pytorch_memtracker(name):
     """An independent accounting of the same fake step: PyTorch's own MemTracker."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    step = CASES[name]
-    with FakeTensorMode():
-        model = step.build_model()
-        opt = step.optimizer(model.parameters())
-        mt = MemTracker()
-        mt.track_external(model, opt)
-        with mt:
-            for i in range(2):
-                if i:
-                    mt.reset_mod_stats()
-                step.loss(model, step.make_batch(torch.device("cpu"))).backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        theirs = mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
-    ours = estimate_training_step(step).peak_bytes
+    theirs = memtracker_peak(CASES[name])
+    ours = estimate_training_step(CASES[name]).peak_bytes
     assert abs(ours - theirs) <= 0.05 * theirs, (ours, theirs)
 
 

@@ -537,3 +537,23 @@ def estimate_training_step(
         )
     report.method = "estimated (FakeTensorMode on CPU)"
     return report
+
+
+def memtracker_peak(step: TrainStep) -> int:
+    """The peak of two steps of `step` under PyTorch's own MemTracker with fake tensors (as its docs run
+    it): an accounting independent of ours, which tests and tools/compare_estimators.py check against."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with fake_mode():
+        model = step.build_model()
+        opt = step.optimizer(model.parameters())
+        mt = MemTracker()
+        mt.track_external(model, opt)
+        with mt:
+            for i in range(2):
+                if i:
+                    mt.reset_mod_stats()
+                step.loss(model, step.make_batch(torch.device("cpu"))).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return mt.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
