@@ -196,39 +196,27 @@ def what_ifs(target: Target, trace: Trace) -> list[WhatIf]:
             )
         )
     if step.amp_dtype is None:
-        got = _retrace(replace(step, amp_dtype=torch.bfloat16))
-        rows.append(
-            WhatIf(
-                "bf16 autocast", got if isinstance(got, int) else None, "" if isinstance(got, int) else got
-            )
-        )
+        rows.append(_retraced("bf16 autocast", _retrace(replace(step, amp_dtype=torch.bfloat16))))
     else:
         rows.append(WhatIf("bf16 autocast", None, f"already autocast to {step.amp_dtype}"))
     nblocks = block_param_bytes(step)[1]
     if nblocks:
         got = _retrace(checkpointed(step))
-        rows.append(
-            WhatIf(
-                f"checkpoint each of {nblocks} blocks",
-                got if isinstance(got, int) else None,
-                "blocks: repeated children of a ModuleList/Sequential" if isinstance(got, int) else got,
-            )
-        )
+        note = "blocks: repeated children of a ModuleList/Sequential"
+        rows.append(_retraced(f"checkpoint each of {nblocks} blocks", got, note))
     else:
         rows.append(WhatIf("checkpoint each block", None, "no repeated blocks (ModuleList/Sequential) found"))
     if "batch" in target.knobs and target.knobs["batch"] >= 2:
         b = target.knobs["batch"] // 2
-        got = _retrace(target.step(batch=b))
-        rows.append(
-            WhatIf(
-                f"batch halved ({b})",
-                got if isinstance(got, int) else None,
-                "" if isinstance(got, int) else got,
-            )
-        )
+        rows.append(_retraced(f"batch halved ({b})", _retrace(target.step(batch=b))))
     else:
         rows.append(WhatIf("batch halved", None, "no batch knob"))
     return rows
+
+
+def _retraced(name: str, got: int | str, note: str = "") -> WhatIf:
+    """A what-if row from _retrace's answer: a peak in bytes, or the reason the variant failed."""
+    return WhatIf(name, got, note) if isinstance(got, int) else WhatIf(name, None, got)
 
 
 def recommend(base: int, rows: list[WhatIf]) -> WhatIf | None:
