@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from PIL import Image
 from memfit.training import load_checkpoint
 from moremouse_triplane import eval as mouse_eval
 from moremouse_triplane import train as mouse_train
@@ -18,6 +19,8 @@ FAST = [
     "64",
     "--samples_per_ray",
     "16",
+    "--val_scenes",
+    "1",
     "--no_progress",
 ]
 
@@ -40,8 +43,29 @@ def test_train_checkpoints_resumes_exactly_and_eval_writes_psnr_png(tmp_path):
 
     res = mouse_eval.main(["--run", str(run / "full"), "--num_scenes", "2", "--device", "cpu"])
     assert res["views"] == 8 and 5.0 < res["psnr"] < 60.0 and -1.0 <= res["ssim"] <= 1.0
-    assert (run / "full" / "eval" / "eval.png").stat().st_size > 0
-    assert json.loads((run / "full" / "eval" / "eval.json").read_text())["psnr"] == pytest.approx(res["psnr"])
+    assert res["data"] == "generated test scenes" and 5.0 < res["psnr_constant"] < 60.0
+    out = run / "full" / "eval"
+    for name in ("views.png", "orbit.png", "orbit.gif"):
+        assert (out / name).stat().st_size > 0, name
+    cell = 32 * mouse_eval.PNG_SCALE + 2  # 2 scenes x (truth, prediction) rows of input + 4 views
+    with Image.open(out / "views.png") as im:
+        assert im.size == (5 * cell + 2, 4 * cell + 2)
+    with Image.open(out / "orbit.gif") as im:
+        assert im.n_frames == mouse_eval.ORBIT_FRAMES
+    assert json.loads((out / "eval.json").read_text())["psnr"] == pytest.approx(res["psnr"])
+
+
+def test_validation_keeps_the_best_checkpoint_and_eval_uses_it(tmp_path):
+    out = _train(tmp_path, "val", "--steps", "4", "--eval_every", "2", "--val_scenes", "2", "--save_every", "0")
+    run = tmp_path / "moremouse-triplane" / "val"
+    best = load_checkpoint(run / "best.pt")
+    assert out["best_step"] in (2, 4) and best["step"] == out["best_step"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    scored = {r["step"]: r["eval/psnr"] for r in records if "eval/psnr" in r}
+    assert sorted(scored) == [2, 4] and scored[out["best_step"]] == max(scored.values())
+    assert all(0.0 < r["eval/ssim"] <= 1.0 for r in records if "eval/ssim" in r)
+    res = mouse_eval.main(["--run", str(run), "--num_scenes", "1", "--device", "cpu"])
+    assert res["checkpoint"].endswith("best.pt") and res["step"] == out["best_step"]
 
 
 def test_train_on_a_folder_of_renders_with_fp16_amp(tmp_path):

@@ -1,4 +1,5 @@
-"""Configuration of the triplane generator: one dataclass, two presets (`paper`, `tiny`)."""
+"""Configuration of the triplane generator: one dataclass, presets (`paper`, `tiny`, `cpu`), and the
+training recipe that `train` uses for a preset when its flags leave a choice open."""
 
 from __future__ import annotations
 
@@ -97,6 +98,30 @@ PRESETS: dict[str, TriplaneConfig] = {
         num_targets=3,
     ),
 }
+PRESETS["cpu"] = PRESETS["tiny"]  # placeholder until measured
+
+
+@dataclass
+class Recipe:
+    """How `train` trains a preset when the flags leave it open."""
+
+    lr: float = 1e-3
+    batch_size: int = 4  # scenes per micro-batch
+    steps: int = 600  # with --max_minutes and no --steps: until the time budget
+    warmup: int = 50
+    amp: str = "bf16"
+    threads: int | None = None  # torch CPU threads when --threads is not given (None: torch's default)
+    eval_every: int = 200  # validation on held-out scenes every N steps (best.pt by PSNR)
+    save_every: int = 200
+
+
+PAPER_RECIPE = Recipe()
+# The CPU recipe (`--config cpu`, and `auto` without a GPU): chosen by short measured runs (README).
+CPU_RECIPE = Recipe(lr=1e-3, batch_size=4, steps=600, amp="none", threads=1, eval_every=250, save_every=1000)
+
+
+def recipe_for(preset: str) -> Recipe:
+    return CPU_RECIPE if preset == "cpu" else PAPER_RECIPE
 
 
 def get_config(name: str, **overrides: Any) -> TriplaneConfig:

@@ -330,6 +330,17 @@ class FolderScenes:
     def __len__(self) -> int:
         return len(self.scenes)
 
+    def split(self, count: int, seed: int = 0) -> tuple[FolderScenes, FolderScenes]:
+        """(training scenes, `count` held-out scenes chosen by a fixed seed; at most a quarter of them)."""
+        count = min(count, len(self) // 4)
+        perm = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed)).tolist()
+        parts = []
+        for keep in (sorted(perm[count:]), sorted(perm[:count])):
+            part = object.__new__(FolderScenes)
+            part.image_size, part.scenes = self.image_size, [self.scenes[i] for i in keep]
+            parts.append(part)
+        return parts[0], parts[1]
+
     def input_image(self, index: int) -> torch.Tensor:
         s = self.scenes[index % len(self)]
         return s["images"][s["input"]]

@@ -1,10 +1,15 @@
-"""`mouse-eval`: novel views of held-out scenes -> PSNR, SSIM and a PNG (input | predictions | truth).
+"""`mouse-eval`: novel views of held-out scenes -> PSNR, SSIM, a ground truth vs prediction strip, an orbit.
 
     uv run mouse-eval --run run      (a run name, a run folder or a checkpoint file; writes <run>/eval/)
 
-Held-out scenes are the `val` split of the generator (never seen in training), or every scene of
---data; held-out views are views other than the input. The baseline printed beside the model is the
-best constant colour per image (its mean), which bounds what "predict the background" can score.
+Held-out scenes are the `test` split of the generator (never seen in training, never used to choose
+the checkpoint: training validates on the `val` split), or every scene of --data; held-out views are
+views other than the input. The baseline printed beside the model is the best constant colour per
+image (its mean), which bounds what "predict the background" can score. SSIM is torchmetrics'
+(gaussian window 11, sigma 1.5, data range 1).
+
+Writes to <run>/eval/: eval.json, views.png (per scene: the input, then the held-out views; top row
+ground truth, bottom row prediction) and orbit.png / orbit.gif (novel views around the first scenes).
 """
 
 from __future__ import annotations
@@ -14,44 +19,38 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.metrics import psnr_per_image
 from memfit.run_dir import resolve_run
 from memfit.training import resolve_device
+from PIL import Image
 
-from moremouse_triplane.data import make_source, save_image
+from moremouse_triplane.data import make_source
 from moremouse_triplane.model import TriplaneGenerator
-from moremouse_triplane.render import image_rays
+from moremouse_triplane.render import image_rays, look_at, orbit_eye
+
+STRIP_SCENES = 6  # scenes shown in views.png
+ORBIT_SCENES = 3  # scenes shown in orbit.png / orbit.gif
+ORBIT_FRAMES = 24
+ORBIT_ELEVATION = 25.0
+PNG_SCALE = 4  # nearest-neighbour upscaling of the (small) images in the PNGs
 
 
-def psnr(pred: torch.Tensor, target: torch.Tensor) -> float:
-    """PSNR in dB of one image in [0, 1] (any shape)."""
-    return psnr_per_image(pred[None], target[None]).item()
+def psnr(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """PSNR in dB per image: (N, C, H, W) in [0, 1] -> (N,)."""
+    return psnr_per_image(pred, target)
 
 
-def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
-    x = torch.arange(size, dtype=torch.float32) - (size - 1) / 2
-    g = torch.exp(-(x**2) / (2 * sigma**2))
-    g = g / g.sum()
-    return g[:, None] * g[None, :]
+def ssim(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """SSIM per image (torchmetrics: gaussian window 11, sigma 1.5, data range 1): (N, C, H, W) -> (N,)."""
+    from torchmetrics.functional.image import structural_similarity_index_measure  # slow import: lazy
 
-
-def ssim(x: torch.Tensor, y: torch.Tensor, window: int = 11, sigma: float = 1.5) -> torch.Tensor:
-    """SSIM (Wang et al. 2004; gaussian window 11, sigma 1.5, valid): (N, C, H, W) in [0, 1] -> (N,)."""
-    C = x.shape[1]
-    w = _gaussian_window(min(window, x.shape[-1], x.shape[-2]), sigma).to(x)[None, None].expand(C, 1, -1, -1)
-
-    def blur(t: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(t, w, groups=C)
-
-    x, y = x.float(), y.float()
-    mx, my = blur(x), blur(y)
-    vx, vy, cxy = blur(x * x) - mx**2, blur(y * y) - my**2, blur(x * y) - mx * my
-    c1, c2 = 0.01**2, 0.03**2
-    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
-    return s.flatten(1).mean(1)
+    return structural_similarity_index_measure(
+        pred.float().clamp(0, 1), target.float(), data_range=1.0, reduction="none"
+    )
 
 
 @torch.no_grad()
@@ -64,7 +63,16 @@ def render_views(
     o, d = image_rays(K, c2w, H, W)  # (V, H*W, 3)
     V = len(K)
     rgb, _ = model.render(planes.expand(V, *planes.shape[1:]), o, d)
-    return rgb.clamp(0, 1).transpose(1, 2).reshape(V, 3, H, W)
+    return rgb.float().clamp(0, 1).transpose(1, 2).reshape(V, 3, H, W)
+
+
+def orbit_cameras(
+    K: torch.Tensor, c2w: torch.Tensor, frames: int = ORBIT_FRAMES
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`frames` cameras on a circle around the origin at the distance of camera c2w (4, 4), intrinsics K."""
+    radius = float(c2w[:3, 3].norm())
+    eyes = [orbit_eye(360.0 * i / frames, ORBIT_ELEVATION, radius) for i in range(frames)]
+    return K.expand(frames, 3, 3), torch.stack([look_at(e) for e in eyes])
 
 
 def load_model(run: str | Path | None, device: torch.device) -> TriplaneGenerator:
@@ -74,43 +82,99 @@ def load_model(run: str | Path | None, device: torch.device) -> TriplaneGenerato
     return SYSTEM.load_model(run, device)[0]
 
 
-def evaluate(
-    model: TriplaneGenerator, source, num_scenes: int, device: torch.device, png: Path | None = None
+def _to_uint8(img: torch.Tensor, scale: int = PNG_SCALE) -> np.ndarray:
+    """(3, H, W) in [0, 1] -> (H*scale, W*scale, 3) uint8, nearest-neighbour upscaled."""
+    img = F.interpolate(img[None].float().cpu(), scale_factor=scale, mode="nearest")[0]
+    return (img.clamp(0, 1).permute(1, 2, 0).numpy() * 255 + 0.5).astype(np.uint8)
+
+
+def _grid(rows: list[list[torch.Tensor]], pad: int = 2) -> np.ndarray:
+    """Rows of (3, H, W) images (None: an empty cell) -> one uint8 picture with white gutters."""
+    cells = [[_to_uint8(im) if im is not None else None for im in row] for row in rows]
+    h, w = next(c for row in cells for c in row if c is not None).shape[:2]
+    cols = max(len(r) for r in cells)
+    out = np.full(((h + pad) * len(cells) + pad, (w + pad) * cols + pad, 3), 255, np.uint8)
+    for i, row in enumerate(cells):
+        for j, c in enumerate(row):
+            if c is not None:
+                out[
+                    pad + i * (h + pad) : pad + i * (h + pad) + h,
+                    pad + j * (w + pad) : pad + j * (w + pad) + w,
+                ] = c
+    return out
+
+
+def score_scenes(
+    model: TriplaneGenerator, scenes: list[dict[str, torch.Tensor]], device: torch.device
 ) -> dict:
-    """Mean PSNR / SSIM of the model and of the constant-colour baseline over held-out views."""
-    num_scenes = min(num_scenes, len(source))
-    p_model, p_const, s_model, rows = [], [], [], []
-    for i in range(num_scenes):
-        ev = source.eval_scene(i)
-        gt = ev["images"].to(device)
-        pred = render_views(model, ev["input"].to(device), ev["K"].to(device), ev["c2w"].to(device)).float()
-        const = gt.mean(dim=(2, 3), keepdim=True).expand_as(gt)
-        for v in range(len(gt)):
-            p_model.append(psnr(pred[v], gt[v]))
-            p_const.append(psnr(const[v], gt[v]))
-        s_model.append(ssim(pred, gt).mean().item())
-        if png is not None and i < 6:
-            rows.append(torch.cat([ev["input"].to(device), *pred, *gt], dim=2))
-    if png is not None and rows:
-        png.parent.mkdir(parents=True, exist_ok=True)
-        save_image(torch.cat(rows, dim=1).cpu(), png)
+    """Mean PSNR / SSIM over all held-out views of `scenes` (eval_scene dicts), model and constant colour."""
+    preds, gts = [], []
+    for ev in scenes:
+        gts.append(ev["images"].to(device).float())
+        preds.append(render_views(model, ev["input"].to(device), ev["K"].to(device), ev["c2w"].to(device)))
+    pred, gt = torch.cat(preds), torch.cat(gts)
+    const = gt.mean(dim=(2, 3), keepdim=True).expand_as(gt)
     return {
-        "psnr": sum(p_model) / len(p_model),
-        "psnr_constant": sum(p_const) / len(p_const),
-        "ssim": sum(s_model) / len(s_model),
-        "scenes": num_scenes,
-        "views": len(p_model),
+        "psnr": psnr(pred, gt).mean().item(),
+        "ssim": ssim(pred, gt).mean().item(),
+        "psnr_constant": psnr(const, gt).mean().item(),
+        "ssim_constant": ssim(const, gt).mean().item(),
+        "scenes": len(scenes),
+        "views": len(gt),
+        "_pred": preds,
     }
 
 
+def evaluate(
+    model: TriplaneGenerator, source, num_scenes: int, device: torch.device, out: Path | None = None
+) -> dict:
+    """Scores over the first num_scenes held-out scenes; with `out`, writes views.png and the orbit."""
+    scenes = [source.eval_scene(i) for i in range(min(num_scenes, len(source)))]
+    res = score_scenes(model, scenes, device)
+    preds = res.pop("_pred")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        rows: list[list[torch.Tensor]] = []
+        for ev, pred in list(zip(scenes, preds))[:STRIP_SCENES]:
+            rows.append([ev["input"], *ev["images"]])
+            rows.append([None, *pred])
+        Image.fromarray(_grid(rows)).save(out / "views.png")
+        res["views_png"] = str(out / "views.png")
+        orbit_rows = []
+        for ev in scenes[:ORBIT_SCENES]:
+            K, c2w = orbit_cameras(ev["K"][0], ev["c2w"][0])
+            frames = render_views(model, ev["input"].to(device), K.to(device), c2w.to(device)).cpu()
+            orbit_rows.append([ev["input"], *frames])
+        Image.fromarray(_grid(orbit_rows)).save(out / "orbit.png")
+        gif = [
+            Image.fromarray(_grid([[row[0], row[1 + f]] for row in orbit_rows])) for f in range(ORBIT_FRAMES)
+        ]
+        gif[0].save(out / "orbit.gif", save_all=True, append_images=gif[1:], duration=120, loop=0)
+        res["orbit_png"], res["orbit_gif"] = str(out / "orbit.png"), str(out / "orbit.gif")
+    return res
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Evaluate a trained run; prints and returns {psnr, psnr_constant, ssim, ...}."""
+    """Evaluate a trained run; prints and returns {psnr, ssim, psnr_constant, ssim_constant, ...}."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--data", default=None, help="folder of renders; default: held-out generated mice (val split)"
+        "--data", default=None, help="folder of renders; default: held-out generated mice (see --split)"
     )
-    p.add_argument("--num_scenes", type=int, default=8)
+    p.add_argument(
+        "--split",
+        default="test",
+        choices=["val", "test"],
+        help="generated scenes to score: test (default; never seen in training) or val (the ones "
+        "training validated on to choose best.pt)",
+    )
+    p.add_argument("--num_scenes", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--checkpoint",
+        default="best",
+        choices=["best", "latest"],
+        help="which checkpoint of a run folder (default best.pt)",
+    )
     add_eval_args(p, "moremouse-triplane")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     apply_threads(args)
@@ -118,18 +182,24 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device)
     run = resolve_run(args.run, "moremouse-triplane", args.runs_dir)
     out = eval_out_dir(args, run)
+    from moremouse_triplane.system import SYSTEM
+
     try:
-        model = load_model(run, device)
-        source = make_source(args.data, model.cfg.image_size, seed=args.seed, split="val")
+        model, state = SYSTEM.load_model(run, device, which=args.checkpoint)
+        source = make_source(args.data, model.cfg.image_size, seed=args.seed, split=args.split)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
-    png = out / "eval.png"
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        res = evaluate(model, source, args.num_scenes, device, png)
-    res["png"] = str(png)
+        res = evaluate(model, source, args.num_scenes, device, out)
+    where = args.data or f"generated {args.split} scenes"
+    res.update(checkpoint=str(state["path"]), step=state.get("step"), data=where)
     print(
-        f"held-out: {res['scenes']} scenes, {res['views']} views: PSNR {res['psnr']:.2f} dB "
-        f"(constant colour {res['psnr_constant']:.2f} dB), SSIM {res['ssim']:.3f}; wrote {png}"
+        f"checkpoint {state['path']} (step {state.get('step')}); {where}: {res['scenes']} scenes, "
+        f"{res['views']} held-out views\n"
+        f"  model:           PSNR {res['psnr']:6.2f} dB  SSIM {res['ssim']:.3f}\n"
+        f"  constant colour: PSNR {res['psnr_constant']:6.2f} dB  SSIM {res['ssim_constant']:.3f}\n"
+        f"wrote {res['views_png']} (per scene: input + views, truth above prediction), {res['orbit_png']}, "
+        f"{res['orbit_gif']}"
     )
     (out / "eval.json").write_text(json.dumps(res, indent=1))
     return res

@@ -1,10 +1,14 @@
 """`mouse-train`: train the triplane generator on generated mice (default) or a folder of renders.
 
+    uv run mouse-train --max_minutes 20                 (the CPU recipe: --config cpu, the default)
     uv run mouse-train --config tiny --steps 600
-    uv run mouse-train --config tiny --data path/to/renders --resume
+    uv run mouse-train --config paper --data path/to/renders --resume
 
 Each step: a batch of scenes -> input images -> triplanes -> render cfg.rays_per_scene random target
-rays per scene (input view + random views) -> MSE to the true colours.
+rays per scene (input view + random views) -> MSE to the true colours. Every --eval_every steps the
+model renders the held-out views of --val_scenes held-out scenes (the generator's `val` split, or a
+fixed part of --data's scenes); the best PSNR is kept as best.pt, which `eval` uses. The `test` split
+that `eval` scores by default is never seen here.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from memfit.training import (
     warmup_cosine_lambda,
 )
 
-from moremouse_triplane.config import PRESETS, TriplaneConfig, get_config
-from moremouse_triplane.data import make_source
+from moremouse_triplane.config import PRESETS, TriplaneConfig, get_config, recipe_for
+from moremouse_triplane.data import FolderScenes, SyntheticScenes, make_source
+from moremouse_triplane.eval import score_scenes
 from moremouse_triplane.model import build_model, ray_loss
 
 SYSTEM_NAME = "moremouse-triplane"
@@ -37,16 +42,24 @@ SYSTEM_NAME = "moremouse-triplane"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    m = add_model_args(p, PRESETS, "tiny", help="model size", attention=["sdpa", "naive"])
+    m = add_model_args(
+        p,
+        PRESETS,
+        "auto",
+        help="model preset; auto: tiny on a GPU, the CPU recipe (cpu) otherwise",
+        attention=["sdpa", "naive"],
+    )
     hidden_alias(m, "--preset", dest="config", choices=list(PRESETS))  # old spellings
     hidden_alias(m, "--checkpoint", dest="checkpointing", action=argparse.BooleanOptionalAction)
     p.add_argument(
         "--data", default=None, help="folder of renders (scene_*/cameras.json); default: generated mice"
     )
-    p.add_argument("--batch_size", type=int, default=4, help="scenes per micro-batch")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument(
+        "--batch_size", type=int, default=None, help="scenes per micro-batch (default: the recipe's)"
+    )
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
     p.add_argument("--weight_decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: the recipe's)")
     p.add_argument(
         "--schedule_steps", type=int, default=None, help="length of the LR schedule (default: --steps)"
     )
@@ -55,8 +68,53 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--rays_per_scene", type=int, default=None, help="override the preset's rays per scene")
     p.add_argument("--samples_per_ray", type=int, default=None, help="override the preset's samples per ray")
-    add_loop_args(p, steps=600, save_every=200, log_every=20, amp="bf16")
+    p.add_argument(
+        "--val_scenes",
+        type=int,
+        default=8,
+        help="held-out scenes validated on (0: no validation, no best.pt)",
+    )
+    p.add_argument(
+        "--eval_every", type=int, default=None, help="validate every N steps (default: the preset's)"
+    )
+    add_loop_args(p, steps=None, save_every=None, log_every=20, amp=None)
     return p
+
+
+def apply_recipe(args: argparse.Namespace) -> None:
+    """Fill the flags left unset from the recipe of the chosen preset (auto: cpu without a GPU)."""
+    if args.config == "auto":
+        on_gpu = resolve_device(args.device).type == "cuda"
+        args.config = "tiny" if on_gpu else "cpu"
+    recipe = recipe_for(args.config)
+    if args.steps is None and args.max_minutes:
+        args.steps = 10**7  # until the time budget
+    for key in ("lr", "batch_size", "steps", "warmup", "amp", "threads", "eval_every", "save_every"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(recipe, key))
+
+
+def validation(source, args: argparse.Namespace):
+    """(training source, Trainer keyword arguments that validate on held-out scenes and keep best.pt).
+
+    Generated scenes: the first --val_scenes scenes of the `val` split (`eval` scores `test`). A folder:
+    --val_scenes of its scenes, chosen by a fixed seed, are held out of training.
+    """
+    if not args.val_scenes:
+        return source, {}
+    if isinstance(source, FolderScenes):
+        source, held = source.split(args.val_scenes)
+        if not len(held):
+            return source, {}
+    else:
+        held = SyntheticScenes(source.image_size, seed=args.seed, split="val")
+    scenes = [held.eval_scene(i) for i in range(min(args.val_scenes, len(held)))]
+
+    def eval_fn(model) -> dict[str, float]:
+        res = score_scenes(model, scenes, next(model.parameters()).device)
+        return {k: res[k] for k in ("psnr", "ssim")}
+
+    return source, dict(eval_fn=eval_fn, eval_every=args.eval_every, best_metric="psnr", best_mode="max")
 
 
 def config_from_args(args: argparse.Namespace) -> TriplaneConfig:
@@ -71,13 +129,17 @@ def config_from_args(args: argparse.Namespace) -> TriplaneConfig:
 def main(argv: list[str] | None = None) -> dict:
     """Parse flags, train, return the last metrics (see --help)."""
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    apply_recipe(args)
+    check_numbers(args, val_scenes=">=0", eval_every=">=0")
     check_numbers(args, lr=">0", weight_decay=">=0", warmup=">=0", batch_size=">=1", num_scenes=">=0")
     check_numbers(args, schedule_steps=">=1", rays_per_scene=">=1", samples_per_ray=">=1")
     cfg = config_from_args(args)
     loop = loop_config_from_args(args, system=SYSTEM_NAME)
     device = resolve_device(loop.device)
     try:
-        source = make_source(args.data, cfg.image_size, seed=args.seed, split="train")
+        source, eval_kw = validation(
+            make_source(args.data, cfg.image_size, seed=args.seed, split="train"), args
+        )
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
 
@@ -85,7 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
     model = build_model(cfg).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     total = args.schedule_steps or loop.steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine_lambda(total, min(args.warmup, total // 5)))
+    warmup = min(args.warmup, total // 5)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_cosine_lambda(total, warmup, max_minutes=args.max_minutes)
+    )
     info = dist_info()
     B, R, S = args.batch_size, cfg.rays_per_scene, cfg.samples_per_ray
 
@@ -110,12 +175,15 @@ def main(argv: list[str] | None = None) -> dict:
         meta={"preset": args.config, "data": args.data or "synthetic"},
         items_per_step=B * R * loop.grad_accum,
         system=SYSTEM_NAME,
+        **eval_kw,
     )
     if info.is_main:
         n = sum(p.numel() for p in model.parameters())
         print(
             f"[mouse-train] preset {args.config}: {n / 1e6:.2f}M params, {cfg.num_tokens} triplane tokens, "
-            f"{R} rays x {S} samples per scene, batch {B}; runs in {loop.run_dir}"
+            f"{R} rays x {S} samples per scene, batch {B}, lr {args.lr:g}, "
+            f"{torch.get_num_threads()} threads; validation on {args.val_scenes} held-out scenes every "
+            f"{args.eval_every} steps; runs in {loop.run_dir}"
         )
     return trainer.fit()
 
