@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from PIL import Image
 from memfit.training import load_checkpoint
 from moremouse_triplane import eval as mouse_eval
 from moremouse_triplane import train as mouse_train
 from moremouse_triplane.data import export_scenes
+from PIL import Image
 
 FAST = [
     "--preset",
@@ -56,7 +56,9 @@ def test_train_checkpoints_resumes_exactly_and_eval_writes_psnr_png(tmp_path):
 
 
 def test_validation_keeps_the_best_checkpoint_and_eval_uses_it(tmp_path):
-    out = _train(tmp_path, "val", "--steps", "4", "--eval_every", "2", "--val_scenes", "2", "--save_every", "0")
+    out = _train(
+        tmp_path, "val", "--steps", "4", "--eval_every", "2", "--val_scenes", "2", "--save_every", "0"
+    )
     run = tmp_path / "moremouse-triplane" / "val"
     best = load_checkpoint(run / "best.pt")
     assert out["best_step"] in (2, 4) and best["step"] == out["best_step"]
@@ -83,3 +85,12 @@ def test_cli_bad_input_is_a_clear_error(tmp_path):
         _train(tmp_path, "x", "--steps", "1", "--data", str(tmp_path / "missing"))
     with pytest.raises(SystemExit, match="no checkpoint"):
         mouse_eval.main(["--run", str(tmp_path)])
+
+
+def test_cpu_recipe_renders_with_the_input_view_through_train_and_eval(tmp_path):
+    out = _train(tmp_path, "cpu", "--config", "cpu", "--steps", "2", "--val_scenes", "1")
+    run = tmp_path / "moremouse-triplane" / "cpu"
+    cfg = load_checkpoint(run / "best.pt")["config"]
+    assert out["step"] == 2 and cfg["pixel_features"] and cfg["global_context"]
+    res = mouse_eval.main(["--run", str(run), "--num_scenes", "1", "--device", "cpu"])
+    assert res["views"] == 4 and 5.0 < res["psnr"] < 60.0

@@ -94,3 +94,15 @@ def test_missing_folder_and_empty_folder(tmp_path):
         make_source(str(tmp_path / "nope"), 16)
     with pytest.raises(FileNotFoundError, match="no scene folders"):
         make_source(str(tmp_path), 16)
+
+
+def test_folder_split_holds_out_a_fixed_quarter_at_most(tmp_path):
+    export_scenes(tmp_path, 8, 16, seed=0, split="train")
+    src = FolderScenes(tmp_path, 16)
+    train, held = src.split(5)
+    again = src.split(5)[1]
+    assert len(held) == 2 and len(train) == 6  # capped at a quarter of 8
+    ids = {id(s) for s in src.scenes}
+    assert {id(s) for s in train.scenes} | {id(s) for s in held.scenes} == ids
+    assert not {id(s) for s in train.scenes} & {id(s) for s in held.scenes}
+    assert [id(s) for s in again.scenes] == [id(s) for s in held.scenes]

@@ -131,3 +131,19 @@ def test_look_at_cameras_and_rays():
     left, right = d[4 * 9], d[4 * 9 + 8]
     half = math.atan(math.tan(math.radians(20)) * 8 / 9)
     assert torch.dot(left, right).item() == pytest.approx(math.cos(2 * half), abs=1e-5)
+
+
+def test_sample_view_reads_the_input_image_where_points_project():
+    from moremouse_triplane.data import SyntheticScenes
+    from moremouse_triplane.render import sample_view
+
+    src = SyntheticScenes(32)
+    img = src.input_image(3)
+    o, d = image_rays(src.K, src.input_c2w, 32, 32)
+    for t in (1.5, 2.3, 3.0):  # any point on a pixel's ray reads that pixel, with its depth t * cos
+        f = sample_view(img[None], src.K[None], src.input_c2w[None], (o + t * d)[None])[0, :, 0]
+        torch.testing.assert_close(f[:, :3], img.reshape(3, -1).T, atol=1e-4, rtol=0)
+        forward = src.input_c2w[:3, 2]
+        torch.testing.assert_close(f[:, 3], t * (d @ forward), atol=1e-4, rtol=0)
+    behind = sample_view(img[None], src.K[None], src.input_c2w[None], (o - 5.0 * d)[None])
+    assert torch.isfinite(behind).all()

@@ -228,6 +228,8 @@ class SyntheticScenes:
             "rays_o": torch.stack(os_),
             "rays_d": torch.stack(ds),
             "rgb": torch.stack(rgbs),
+            "input_K": self.K.expand(len(indices), 3, 3),
+            "input_c2w": self.input_c2w.expand(len(indices), 4, 4),
         }
 
     def eval_scene(self, index: int) -> dict[str, torch.Tensor]:
@@ -235,7 +237,14 @@ class SyntheticScenes:
         c2w = torch.stack([look_at(orbit_eye(a, e, RADIUS)) for a, e in EVAL_VIEWS])
         K = self.K.expand(len(EVAL_VIEWS), 3, 3)
         images = torch.stack([self.render(index, K[i], c2w[i]) for i in range(len(EVAL_VIEWS))])
-        return {"input": self.input_image(index), "K": K, "c2w": c2w, "images": images}
+        return {
+            "input": self.input_image(index),
+            "input_K": self.K,
+            "input_c2w": self.input_c2w,
+            "K": K,
+            "c2w": c2w,
+            "images": images,
+        }
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -350,13 +359,16 @@ class FolderScenes:
     ) -> dict[str, torch.Tensor]:
         """Input images and n_rays random pixels per scene drawn from all of its frames."""
         H = self.image_size
-        out: dict[str, list[torch.Tensor]] = {"images": [], "rays_o": [], "rays_d": [], "rgb": []}
+        keys = ("images", "rays_o", "rays_d", "rgb", "input_K", "input_c2w")
+        out: dict[str, list[torch.Tensor]] = {k: [] for k in keys}
         for idx in indices:
             s = self.scenes[idx % len(self)]
             cam = torch.randint(0, len(s["K"]), (n_rays,), generator=g)
             xy = torch.randint(0, H, (n_rays, 2), generator=g)
             o, d = pixel_rays(s["K"][cam], s["c2w"][cam], xy[:, None, :].float() + 0.5)
             out["images"].append(s["images"][s["input"]])
+            out["input_K"].append(s["K"][s["input"]])
+            out["input_c2w"].append(s["c2w"][s["input"]])
             out["rays_o"].append(o[:, 0])
             out["rays_d"].append(d[:, 0])
             out["rgb"].append(s["images"][cam, :, xy[:, 1], xy[:, 0]])
@@ -368,6 +380,8 @@ class FolderScenes:
         keep = [i for i in range(len(s["K"])) if i != s["input"]]
         return {
             "input": self.input_image(index),
+            "input_K": s["K"][s["input"]],
+            "input_c2w": s["c2w"][s["input"]],
             "K": s["K"][keep],
             "c2w": s["c2w"][keep],
             "images": s["images"][keep],

@@ -55,14 +55,22 @@ def ssim(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def render_views(
-    model: TriplaneGenerator, image: torch.Tensor, K: torch.Tensor, c2w: torch.Tensor
+    model: TriplaneGenerator, scene: dict[str, torch.Tensor], K: torch.Tensor, c2w: torch.Tensor
 ) -> torch.Tensor:
-    """Input image (3, H, W), cameras K (V, 3, 3), c2w (V, 4, 4) -> rendered views (V, 3, H, W)."""
+    """Scene (eval_scene's input image (3, H, W) and its camera), cameras K (V, 3, 3), c2w (V, 4, 4)
+    -> rendered views (V, 3, H, W)."""
     H = W = model.cfg.image_size
+    dev = K.device
+    image = scene["input"].to(dev)
     planes = model(image[None])
     o, d = image_rays(K, c2w, H, W)  # (V, H*W, 3)
     V = len(K)
-    rgb, _ = model.render(planes.expand(V, *planes.shape[1:]), o, d)
+    view = (
+        image[None].expand(V, -1, -1, -1),
+        scene["input_K"].to(dev).expand(V, 3, 3),
+        scene["input_c2w"].to(dev).expand(V, 4, 4),
+    )
+    rgb, _ = model.render(planes.expand(V, *planes.shape[1:]), o, d, view=view)
     return rgb.float().clamp(0, 1).transpose(1, 2).reshape(V, 3, H, W)
 
 
@@ -111,7 +119,7 @@ def score_scenes(
     preds, gts = [], []
     for ev in scenes:
         gts.append(ev["images"].to(device).float())
-        preds.append(render_views(model, ev["input"].to(device), ev["K"].to(device), ev["c2w"].to(device)))
+        preds.append(render_views(model, ev, ev["K"].to(device), ev["c2w"].to(device)))
     pred, gt = torch.cat(preds), torch.cat(gts)
     const = gt.mean(dim=(2, 3), keepdim=True).expand_as(gt)
     return {
@@ -143,7 +151,7 @@ def evaluate(
         orbit_rows = []
         for ev in scenes[:ORBIT_SCENES]:
             K, c2w = orbit_cameras(ev["K"][0], ev["c2w"][0])
-            frames = render_views(model, ev["input"].to(device), K.to(device), c2w.to(device)).cpu()
+            frames = render_views(model, ev, K.to(device), c2w.to(device)).cpu()
             orbit_rows.append([ev["input"], *frames])
         Image.fromarray(_grid(orbit_rows)).save(out / "orbit.png")
         gif = [

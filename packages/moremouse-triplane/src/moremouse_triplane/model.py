@@ -17,7 +17,7 @@ from memfit.layers import CrossAttention, FeedForward, checkpointed
 from torch import nn
 
 from moremouse_triplane.config import TriplaneConfig
-from moremouse_triplane.render import TriplaneDecoder, render_triplane
+from moremouse_triplane.render import PIXEL_FEATURES, TriplaneDecoder, render_triplane
 
 
 class SelfAttention(nn.Module):
@@ -116,12 +116,15 @@ class TriplaneTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tokens = nn.Parameter(torch.randn(1, cfg.num_tokens, cfg.width) * 0.02)
+        self.global_proj = nn.Linear(context_dim, cfg.width) if cfg.global_context else None
         self.blocks = nn.ModuleList(TriplaneBlock(cfg, context_dim) for _ in range(cfg.depth))
         self.norm = nn.LayerNorm(cfg.width)
 
     def forward(self, context: torch.Tensor) -> torch.Tensor:
         B, R = context.shape[0], self.cfg.plane_res
         x = self.tokens.expand(B, -1, -1)
+        if self.global_proj is not None:
+            x = x + self.global_proj(context.mean(dim=1))[:, None, :]
         for block in self.blocks:
             x = checkpointed(block, x, context, enabled=self.cfg.checkpoint)
         x = self.norm(x)
@@ -160,7 +163,10 @@ class TriplaneGenerator(nn.Module):
         )
         self.transformer = TriplaneTransformer(cfg, context_dim=self.encoder.out_dim)
         self.upsampler = Upsampler(cfg)
-        self.decoder = TriplaneDecoder(cfg.out_channels, cfg.decoder_hidden, cfg.decoder_layers, cfg.combine)
+        extra = PIXEL_FEATURES if cfg.pixel_features else 0
+        self.decoder = TriplaneDecoder(
+            cfg.out_channels, cfg.decoder_hidden, cfg.decoder_layers, cfg.combine, extra=extra
+        )
 
     def forward(
         self,
@@ -168,15 +174,19 @@ class TriplaneGenerator(nn.Module):
         rays_o: torch.Tensor | None = None,
         rays_d: torch.Tensor | None = None,
         jitter: torch.Tensor | None = None,
+        input_K: torch.Tensor | None = None,
+        input_c2w: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """images (B, 3, H, W) in [0, 1] -> planes (B, 3, C, 2R, 2R); with rays (B, R, 3): rgb (B, R, 3).
 
         Rendering happens inside forward when rays are given, so DDP sees one forward per step.
+        With cfg.pixel_features the input camera (input_K (B, 3, 3), input_c2w (B, 4, 4)) is needed too.
         """
         planes = self.upsampler(self.transformer(self.encoder(images)))
         if rays_o is None or rays_d is None:
             return planes
-        return self.render(planes, rays_o, rays_d, jitter)[0]
+        view = (images, input_K, input_c2w) if self.cfg.pixel_features else None
+        return self.render(planes, rays_o, rays_d, jitter, view=view)[0]
 
     def render(
         self,
@@ -184,9 +194,13 @@ class TriplaneGenerator(nn.Module):
         rays_o: torch.Tensor,
         rays_d: torch.Tensor,
         jitter: torch.Tensor | None = None,
+        view: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """planes, rays (B, R, 3) -> rgb (B, R, 3) on white, opacity (B, R)."""
+        """planes, rays (B, R, 3) -> rgb (B, R, 3) on white, opacity (B, R); view: (input image, K, c2w),
+        required with cfg.pixel_features."""
         c = self.cfg
+        if c.pixel_features and (view is None or view[1] is None or view[2] is None):
+            raise ValueError("pixel_features: render needs the input view (image, K, c2w)")
         return render_triplane(
             self.decoder,
             planes,
@@ -197,6 +211,7 @@ class TriplaneGenerator(nn.Module):
             jitter=jitter,
             chunk=c.render_chunk,
             use_checkpoint=c.render_checkpoint,
+            view=view if c.pixel_features else None,
         )
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -206,7 +221,14 @@ class TriplaneGenerator(nn.Module):
 
 def ray_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """MSE of model(images, rays) against the rays' true colours; model may be DDP-wrapped."""
-    rgb = model(batch["images"], batch["rays_o"], batch["rays_d"], batch.get("jitter"))
+    rgb = model(
+        batch["images"],
+        batch["rays_o"],
+        batch["rays_d"],
+        batch.get("jitter"),
+        batch.get("input_K"),
+        batch.get("input_c2w"),
+    )
     return F.mse_loss(rgb, batch["rgb"].float())
 
 

@@ -175,31 +175,58 @@ def sample_triplane(planes: torch.Tensor, pts: torch.Tensor, bbox: float = 1.0) 
 class TriplaneDecoder(nn.Module):
     """Plane features -> density and colour: a small MLP (hidden width 64 in the paper)."""
 
-    def __init__(self, channels: int, hidden: int = 64, layers: int = 2, combine: str = "concat") -> None:
+    def __init__(
+        self, channels: int, hidden: int = 64, layers: int = 2, combine: str = "concat", extra: int = 0
+    ) -> None:
         super().__init__()
         self.combine = combine
-        dims = [3 * channels if combine == "concat" else channels] + [hidden] * layers + [4]
+        dims = [(3 * channels if combine == "concat" else channels) + extra] + [hidden] * layers + [4]
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
         with torch.no_grad():  # start nearly empty (white), so early steps do not fight a grey fog
             self.layers[-1].bias.copy_(torch.tensor([-3.0, 0.0, 0.0, 0.0]))
         self.density_scale = 10.0
 
-    def decode(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """feats (B, P, 3, C) -> sigma (B, P) >= 0, rgb (B, P, 3) in (0, 1).
+    def decode(
+        self, feats: torch.Tensor, extra: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """feats (B, P, 3, C) (+ extra (B, P, 1, E)) -> sigma (B, P) >= 0, rgb (B, P, 3) in (0, 1).
 
         A plain method over F.linear, not submodule calls: the renderer calls it once per ray chunk, and
         PyTorch's MemTracker (behind memfit's estimator) refuses modules entered several times per step.
         """
         x = feats.flatten(-2) if self.combine == "concat" else feats.sum(dim=-2)
+        if extra is not None:
+            x = torch.cat([x, extra.flatten(-2)], dim=-1)
         for i, layer in enumerate(self.layers):
             x = F.linear(x, layer.weight, layer.bias)
             if i < len(self.layers) - 1:
                 x = F.silu(x)
         out = x.float()
-        return F.softplus(out[..., 0]) * self.density_scale, torch.sigmoid(out[..., 1:])
+        rgb = out[..., 1:]
+        if extra is not None:  # colour as a correction to what the input camera saw there (sample_view)
+            rgb = rgb + torch.logit(extra[..., 0, :3].float().clamp(0.02, 0.98))
+        return F.softplus(out[..., 0]) * self.density_scale, torch.sigmoid(rgb)
 
-    def forward(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.decode(feats)
+    def forward(
+        self, feats: torch.Tensor, extra: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode(feats, extra)
+
+
+PIXEL_FEATURES = 4  # what sample_view adds per point: rgb seen by the input camera + depth in it
+
+
+def sample_view(image: torch.Tensor, K: torch.Tensor, c2w: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
+    """What the input camera saw where points project: image (B, 3, H, W), K (B, 3, 3), c2w (B, 4, 4),
+    points (B, P, 3) -> (B, P, 1, 4): rgb there (white outside the image) and the depth (z) in the camera."""
+    H, W = image.shape[-2:]
+    cam = (pts - c2w[:, None, :3, 3]) @ c2w[:, :3, :3]  # world -> camera (OpenCV)
+    z = cam[..., 2].clamp(min=1e-3)
+    u = K[:, None, 0, 0] * cam[..., 0] / z + K[:, None, 0, 2]
+    v = K[:, None, 1, 1] * cam[..., 1] / z + K[:, None, 1, 2]
+    grid = torch.stack([u / W * 2 - 1, v / H * 2 - 1], dim=-1)[:, None].to(image.dtype)  # (B, 1, P, 2)
+    rgb = F.grid_sample(image - 1.0, grid, mode="bilinear", align_corners=False)[:, :, 0] + 1.0  # (B, 3, P)
+    return torch.cat([rgb.transpose(1, 2), cam[..., 2:3].to(rgb.dtype)], dim=-1)[:, :, None, :]
 
 
 def render_triplane(
@@ -213,11 +240,17 @@ def render_triplane(
     jitter: torch.Tensor | None = None,
     chunk: int | None = None,
     use_checkpoint: bool = False,
+    view: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Volume-render triplanes (B, 3, C, H, W) along rays (B, R, 3) -> rgb (B, R, 3), opacity (B, R)."""
+    """Volume-render triplanes (B, 3, C, H, W) along rays (B, R, 3) -> rgb (B, R, 3), opacity (B, R).
+
+    view = (input image, K, c2w): the decoder also reads sample_view's features of each point."""
 
     def field(pts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return decoder.decode(sample_triplane(planes, pts, bbox))
+        feats = sample_triplane(planes, pts, bbox)
+        if view is not None:
+            return decoder.decode(feats, sample_view(*view, pts).to(feats.dtype))
+        return decoder.decode(feats)
 
     return render_rays(
         field,

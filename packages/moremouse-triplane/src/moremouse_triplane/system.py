@@ -17,13 +17,21 @@ def random_batch(cfg: TriplaneConfig, batch: int, device: torch.device) -> dict[
     R, S = cfg.rays_per_scene, cfg.samples_per_ray
     eye = F.normalize(torch.randn(batch, R, 3, device=device), dim=-1) * 2.3
     d = F.normalize(-eye + 0.3 * torch.randn(batch, R, 3, device=device), dim=-1)  # towards the box
-    return {
+    out = {
         "images": torch.rand(batch, 3, cfg.image_size, cfg.image_size, device=device),
         "rays_o": eye,
         "rays_d": d,
         "rgb": torch.rand(batch, R, 3, device=device),
         "jitter": torch.rand(batch, R, S, device=device),
     }
+    if cfg.pixel_features:  # the input camera, as the generated scenes' (world up +z, looking at the origin)
+        from moremouse_triplane.data import FOV_DEG, INPUT_VIEW, RADIUS
+        from moremouse_triplane.render import intrinsics, look_at, orbit_eye
+
+        K = intrinsics(FOV_DEG, cfg.image_size, cfg.image_size)
+        out["input_K"] = K.to(device).expand(batch, 3, 3)
+        out["input_c2w"] = look_at(orbit_eye(*INPUT_VIEW, RADIUS)).to(device).expand(batch, 4, 4)
+    return out
 
 
 def train_step(cfg: TriplaneConfig, batch: int, amp_dtype: torch.dtype | None = torch.bfloat16) -> TrainStep:

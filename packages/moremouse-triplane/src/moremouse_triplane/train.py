@@ -69,6 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rays_per_scene", type=int, default=None, help="override the preset's rays per scene")
     p.add_argument("--samples_per_ray", type=int, default=None, help="override the preset's samples per ray")
     p.add_argument(
+        "--pixel_features",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="override the preset: the decoder also reads the input image where points project",
+    )
+    p.add_argument(
+        "--global_context",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="override the preset: add the mean image token to every triplane token",
+    )
+    p.add_argument(
         "--val_scenes",
         type=int,
         default=8,
@@ -118,7 +130,8 @@ def validation(source, args: argparse.Namespace):
 
 
 def config_from_args(args: argparse.Namespace) -> TriplaneConfig:
-    fields = {k: k for k in ("rays_per_scene", "samples_per_ray", "attention")}
+    names = ("rays_per_scene", "samples_per_ray", "attention", "global_context", "pixel_features")
+    fields = {k: k for k in names}
     overrides = overrides_from_args(args, {**fields, "checkpointing": "checkpoint"})
     try:
         return get_config(args.config, **overrides)
