@@ -189,7 +189,8 @@ class TriplaneDecoder(nn.Module):
     def decode(
         self, feats: torch.Tensor, extra: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """feats (B, P, 3, C) (+ extra (B, P, 1, E)) -> sigma (B, P) >= 0, rgb (B, P, 3) in (0, 1).
+        """feats (B, P, 3, C) -> sigma (B, P) >= 0, rgb (B, P, 3) in (0, 1); with `extra`, sample_view's
+        features (B, P, 1, 4) (rgb, depth): the decoder reads them and its colour corrects their rgb.
 
         A plain method over F.linear, not submodule calls: the renderer calls it once per ray chunk, and
         PyTorch's MemTracker (behind memfit's estimator) refuses modules entered several times per step.
