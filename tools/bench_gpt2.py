@@ -234,13 +234,22 @@ def main() -> None:
     sb.add_argument("--data", type=Path, default=SHAKESPEARE)
     sb.add_argument("--runs_dir", default="runs")
     sb.add_argument("--seeds", default="0,1")
+    sb.add_argument("--threads", type=int, default=1, help="torch threads for every run (default 1)")
     q = sub.add_parser("quality")
     q.add_argument("--data", type=Path, default=SHAKESPEARE)
     q.add_argument("--runs_dir", default="runs")
     q.add_argument("--amp", default="none", choices=["none", "bf16"], help="nanoGPT on CPU trains in fp32")
     q.add_argument("--model", default="tiny", choices=["tiny", "tiny_window"])
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args()
+    if getattr(args, "threads", 1) < 1:
+        print("bench_gpt2: --threads must be >= 1")
+        raise SystemExit(2)
+    if args.what in ("side-by-side", "quality"):
+        import torch
+
+        torch.set_num_threads(args.threads)  # the trainers leave it alone without their own --threads
     if args.what == "memory":
         bench_memory()
     elif args.what == "speed":
