@@ -109,8 +109,8 @@ def test_mamba_with_chunked_scan_equals_reference_scan(monkeypatch):
 
 
 def test_memory_estimate_matches_measured_peak():
-    """The training-step estimate (fake tensors) of a small Mamba stack equals the measured CPU peak of
-    the path fake tensors model (the scan's torch-op path), and bounds the fused CPU kernel's peak."""
+    """The training-step estimate (fake tensors) of a small Mamba stack equals the measured CPU peak, on
+    the fused CPU kernels' path (the default) and on the torch-op path, and the fused path needs less."""
 
     def step(use_kernels):
         def build():
@@ -124,9 +124,12 @@ def test_memory_estimate_matches_measured_peak():
             amp_dtype=None,
         )
 
-    est, meas = estimate_training_step(step(True)), measure_training_step(step(False))
-    assert abs(est.peak_bytes / meas.peak_bytes - 1) < 0.15, (est.peak_mib, meas.peak_mib)
-    assert measure_training_step(step(True)).peak_bytes <= meas.peak_bytes * 1.05
+    peaks = {}
+    for kernels in (True, False):
+        est, meas = estimate_training_step(step(kernels)), measure_training_step(step(kernels))
+        assert abs(est.peak_bytes / meas.peak_bytes - 1) < 0.15, (kernels, est.peak_mib, meas.peak_mib)
+        peaks[kernels] = meas.peak_bytes
+    assert peaks[True] <= peaks[False]
 
 
 def test_bad_config():

@@ -229,12 +229,11 @@ def test_cuda_matches_reference():
 
 
 @pytest.mark.parametrize("layout", ["shared", "step", "group"])
-def test_fake_tensor_path_allocates_like_the_real_one(layout):
+def test_fake_tensor_path_allocates_like_the_real_one(layout, kernels):
     """On fake tensors the scan runs only 3 of its chunks and skips the in-place recurrences (memory
     estimates need allocations, not values): its peak must equal a real run's, and it must make every
-    size of allocation the real run makes (the chunks it skips repeat the same ones). Fake tensors take
-    the torch-op path (estimates stay those of the path CUDA without mamba_ssm runs; the fused CPU path
-    allocates less), so the real run here takes it too."""
+    size of allocation the real run makes (the chunks it skips repeat the same ones). The fused CPU path
+    runs on fake tensors too, skipping only its C calls: the same check holds for it."""
     from memfit.memory import _StorageTracker, fake_mode
 
     class Tracker(_StorageTracker):
@@ -254,7 +253,7 @@ def test_fake_tensor_path_allocates_like_the_real_one(layout):
         tracker = Tracker(fake=fake)
         with tracker:
             out, last = selective_scan(
-                *ts, delta_softplus=True, return_last_state=True, chunk_size=8, use_kernels=False
+                *ts, delta_softplus=True, return_last_state=True, chunk_size=8, use_kernels=kernels
             )
             (out.sum() + last.sum()).backward()
         return tracker.peak, tracker.sizes
@@ -264,4 +263,6 @@ def test_fake_tensor_path_allocates_like_the_real_one(layout):
         fake = run_step(True)
     assert fake[0] == real[0], f"fake peak {fake[0]} B != real {real[0]} B"
     assert fake[1] == real[1], f"allocation sizes differ: {sorted(fake[1] ^ real[1])}"
-    assert real[0] > 4 * 2 * 16 * 8 * 8 and len(real[1]) >= 5  # it saw the chunk buffers
+    assert len(real[1]) >= 5
+    if not kernels:
+        assert real[0] > 4 * 2 * 16 * 8 * 8  # it saw the chunk buffers

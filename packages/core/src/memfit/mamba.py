@@ -64,9 +64,9 @@ class MambaConfig:
 
 
 def _fused_cpu(x: torch.Tensor) -> bool:
-    """Real CPU tensors with the fused kernels built (memfit/_scan_kernel.c); fake tensors (memory
-    estimates) and everything else take the torch ops."""
-    if x.device.type != "cpu" or ssm._is_fake(x) or torch.is_autocast_enabled("cpu"):
+    """CPU tensors, outside autocast, with the fused kernels built (memfit/_scan_kernel.c). Fake tensors
+    (memory estimates) take it too: same allocations, the C call skipped."""
+    if x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
         return False
     from memfit import _scan_kernel
 
@@ -92,8 +92,9 @@ class _ConvSiLU(torch.autograd.Function):
         b = bias.detach().to(x.dtype).contiguous() if bias is not None else None
         u = x.new_empty((batch, L, dim))
         sfx = "f64" if x.dtype == torch.float64 else "f32"
-        K.call(f"conv_fwd_{sfx}", K.ints(batch, L, dim, k), K.ptr(xt), K.ints(xt.stride(0), xt.stride(1)),
-               K.ptr(wt), K.ptr(b), K.ptr(u), torch.get_num_threads())  # fmt: skip
+        if not ssm._is_fake(x):
+            K.call(f"conv_fwd_{sfx}", K.ints(batch, L, dim, k), K.ptr(xt), K.ints(xt.stride(0), xt.stride(1)),
+                   K.ptr(wt), K.ptr(b), K.ptr(u), torch.get_num_threads())  # fmt: skip
         ctx.save_for_backward(x, weight, bias)
         return u.transpose(1, 2)
 
@@ -115,8 +116,9 @@ class _ConvSiLU(torch.autograd.Function):
         gw = x.new_zeros((nth, k, dim))
         gb = x.new_zeros((nth, dim)) if bias is not None else None
         sfx = "f64" if x.dtype == torch.float64 else "f32"
-        K.call(f"conv_bwd_{sfx}", K.ints(batch, L, dim, k), K.ptr(xt), K.ints(xt.stride(0), xt.stride(1)),
-               K.ptr(wt), K.ptr(b), K.ptr(gut), K.ptr(gx), K.ptr(gw), K.ptr(gb), nth)  # fmt: skip
+        if not ssm._is_fake(x):
+            K.call(f"conv_bwd_{sfx}", K.ints(batch, L, dim, k), K.ptr(xt), K.ints(xt.stride(0), xt.stride(1)),
+                   K.ptr(wt), K.ptr(b), K.ptr(gut), K.ptr(gx), K.ptr(gw), K.ptr(gb), nth)  # fmt: skip
         gw = gw.sum(0).t().reshape(weight.shape).to(weight.dtype)
         gb = gb.sum(0).to(bias.dtype) if gb is not None else None
         return gx.transpose(1, 2), gw, gb

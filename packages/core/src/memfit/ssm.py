@@ -504,12 +504,13 @@ class _FusedScan(torch.autograd.Function):
             y = _new_bld(u, cd).transpose(1, 2)
             starts = u.new_empty((batch, n_chunks - 1, dim, N), dtype=cd)
             last = u.new_empty((batch, dim, N), dtype=cd)
-            K.call(
-                f"scan_fwd_{sfx}", K.ints(batch, dim, L, N, T, int(delta_softplus)), K.ptr(dl), K.bdl(dl),
-                K.ptr(bias), K.ptr(uc), K.bdl(uc), K.ptr(zc), K.bdl(zc), K.ptr(Dc), K.ptr(A2), K.ptr(Bk),
-                K.ints(*sB), gsB, K.ptr(Ck), K.ints(*sC), gsC, K.ptr(y), K.bdl(y), K.ptr(starts),
-                K.ptr(last), torch.get_num_threads(),
-            )  # fmt: skip
+            if not _is_fake(u):  # fake tensors: the allocations above are all an estimate needs
+                K.call(
+                    f"scan_fwd_{sfx}", K.ints(batch, dim, L, N, T, int(delta_softplus)), K.ptr(dl), K.bdl(dl),
+                    K.ptr(bias), K.ptr(uc), K.bdl(uc), K.ptr(zc), K.bdl(zc), K.ptr(Dc), K.ptr(A2), K.ptr(Bk),
+                    K.ints(*sB), gsB, K.ptr(Ck), K.ints(*sC), gsC, K.ptr(y), K.bdl(y), K.ptr(starts),
+                    K.ptr(last), torch.get_num_threads(),
+                )  # fmt: skip
         ctx.delta_softplus = delta_softplus
         ctx.chunk_size = T
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, starts)
@@ -542,14 +543,15 @@ class _FusedScan(torch.autograd.Function):
             dD = u.new_zeros((nth, dim), dtype=cd) if D is not None else None
             dbias = u.new_zeros((nth, dim), dtype=cd) if delta_bias is not None else None
             dl_last = _cd_or_none(dlast, cd, True)
-            K.call(
-                f"scan_bwd_{sfx}", K.ints(batch, dim, L, N, ctx.chunk_size, int(ctx.delta_softplus)),
-                K.ptr(dl), K.bdl(dl), K.ptr(bias), K.ptr(uc), K.bdl(uc), K.ptr(zc), K.bdl(zc), K.ptr(Dc),
-                K.ptr(A2), K.ptr(Ac), K.ptr(Bk), K.ints(*sB), gsB, K.ptr(Ck), K.ints(*sC), gsC,
-                K.ptr(starts), K.ptr(dl_last), K.ptr(go), K.bdl(go), K.ptr(du), K.bdl(du), K.ptr(ddelta),
-                K.bdl(ddelta), K.ptr(dz), K.bdl(dz), K.ptr(dA), K.ptr(dB), K.ints(*pB), K.ptr(dC),
-                K.ints(*pC), K.ptr(dD), K.ptr(dbias), nth,
-            )  # fmt: skip
+            if not _is_fake(u):
+                K.call(
+                    f"scan_bwd_{sfx}", K.ints(batch, dim, L, N, ctx.chunk_size, int(ctx.delta_softplus)),
+                    K.ptr(dl), K.bdl(dl), K.ptr(bias), K.ptr(uc), K.bdl(uc), K.ptr(zc), K.bdl(zc), K.ptr(Dc),
+                    K.ptr(A2), K.ptr(Ac), K.ptr(Bk), K.ints(*sB), gsB, K.ptr(Ck), K.ints(*sC), gsC,
+                    K.ptr(starts), K.ptr(dl_last), K.ptr(go), K.bdl(go), K.ptr(du), K.bdl(du), K.ptr(ddelta),
+                    K.bdl(ddelta), K.ptr(dz), K.bdl(dz), K.ptr(dA), K.ptr(dB), K.ints(*pB), K.ptr(dC),
+                    K.ints(*pC), K.ptr(dD), K.ptr(dbias), nth,
+                )  # fmt: skip
 
         def cast(g, like):
             return None if g is None or like is None else g.to(like.dtype)
@@ -572,9 +574,11 @@ class _FusedScan(torch.autograd.Function):
 
 
 def _use_fused_cpu(u: torch.Tensor, N: int) -> bool:
-    """The fused kernel runs real CPU tensors with N <= its NMAX. Fake tensors (memory estimates) take the
-    torch-op path: estimates stay those of the path CUDA without mamba_ssm runs, an upper bound here."""
-    if u.device.type != "cpu" or _is_fake(u):
+    """The fused kernel runs CPU tensors with N <= its NMAX when it is built. Fake CPU tensors (memory
+    estimates) take the same path and make the same allocations, skipping only the C calls, so an
+    estimate equals the measured CPU step (a CUDA run without mamba_ssm takes the torch-op path, which
+    also holds about four (batch, chunk, N, dim) buffers)."""
+    if u.device.type != "cpu":
         return False
     from memfit import _scan_kernel
 
