@@ -8,7 +8,9 @@
 Rows per size (batch B, dim D, length L, state N):
 
 * ``selective_scan``: memfit's chunked recomputing Mamba-1 scan (A is (D, N): every state entry has
-  its own decay), auto chunk size.
+  its own decay) as it runs by default on CPU: the fused C kernel (memfit/_scan_kernel.c, chunk 64)
+  when a C compiler is there. ``selective_scan torch-ops``: the same scan with ``use_kernels=False``,
+  its torch-op path (auto chunk size), the fallback without a compiler and the path fake tensors take.
 * ``ssd (Mamba-2)``: tools/ssd_reference.py, our plain re-implementation of Mamba-2's chunked SSD on
   the same data seen as heads of 64 channels (A one scalar per head, B/C shared by the heads, dt per
   head); D and the z gate included. It does less arithmetic than a Mamba-1 scan (no per-entry decays),
@@ -31,10 +33,12 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from memfit._scan_kernel import library as fused_kernel
 from memfit.memory import measure_peak
 from memfit.ssm import auto_chunk_size, selective_scan, selective_scan_ref
 
@@ -133,7 +137,9 @@ def bench_size(size, args) -> list[dict]:
     batch, dim, L, N = size
     inputs = make_inputs(batch, dim, L, N, contiguous=args.contiguous)
     s_in = ssd_inputs(inputs)
-    cands = [("selective_scan", mamba1(selective_scan), inputs)]
+    torch_ops = partial(selective_scan, use_kernels=False)
+    cands = [("selective_scan", mamba1(selective_scan), inputs),
+             ("selective_scan torch-ops", mamba1(torch_ops), inputs)]  # fmt: skip
     cands += [(f"ssd (Mamba-2) chunk {c}", lambda t, c=c: ssd_layer(t, c), s_in) for c in ssd_chunks(L)]
     if args.with_ref or batch * dim * L * N <= REF_MAX_ELEMENTS:
         cands.append(("selective_scan_ref", mamba1(selective_scan_ref), inputs))
@@ -158,7 +164,9 @@ def bench_size(size, args) -> list[dict]:
                      "cpu_s": statistics.median(cpus[name]), "peak_mib": m.peak_mib})  # fmt: skip
     ssd = min((r for r in rows if r["name"].startswith("ssd")), key=lambda r: r["time_s"])
     ours = rows[0]
-    print(f"\nB{batch} D{dim} L{L} N{N}  (selective_scan chunk {auto_chunk_size(batch, dim, L, N)})")
+    path = "fused C kernel" if fused_kernel() else "no C compiler: torch ops"
+    print(f"\nB{batch} D{dim} L{L} N{N}  (selective_scan: {path}; torch-ops chunk "
+          f"{auto_chunk_size(batch, dim, L, N)})")  # fmt: skip
     print(f"  {'scan':28s} {'time s':>8s} {'cpu s':>8s} {'peak MiB':>9s} {'time/ssd':>9s} {'mem/ssd':>8s}")
     for r in rows:
         r["time_vs_ssd"], r["mem_vs_ssd"] = r["time_s"] / ssd["time_s"], r["peak_mib"] / ssd["peak_mib"]

@@ -63,6 +63,67 @@ class MambaConfig:
             raise ValueError(f"MambaConfig needs 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
 
 
+def _fused_cpu(x: torch.Tensor) -> bool:
+    """CPU tensors, outside autocast, with the fused kernels built (memfit/_scan_kernel.c). Fake tensors
+    (memory estimates) take it too: same allocations, the C call skipped."""
+    if x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+        return False
+    from memfit import _scan_kernel
+
+    return _scan_kernel.library() is not None
+
+
+class _ConvSiLU(torch.autograd.Function):
+    """silu(depthwise causal conv1d) on CPU in C, channels last: x (batch, d, L), typically a transposed
+    view of a (batch, L, d) projection, read in place; the result is a (batch, d, L) view of a
+    (batch, L, d) tensor, the layout x_proj and the scan read without copies. Backward recomputes the
+    pre-activation instead of keeping it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        from memfit import _scan_kernel as K
+
+        batch, dim, L = x.shape
+        k = weight.shape[-1]
+        xt = x.transpose(1, 2)
+        if xt.stride(2) != 1:
+            xt = xt.contiguous()
+        wt = weight.detach().reshape(dim, k).t().contiguous().to(x.dtype)
+        b = bias.detach().to(x.dtype).contiguous() if bias is not None else None
+        u = x.new_empty((batch, L, dim))
+        sfx = "f64" if x.dtype == torch.float64 else "f32"
+        if not ssm._is_fake(x):
+            K.call(f"conv_fwd_{sfx}", K.ints(batch, L, dim, k), K.ptr(xt), K.ints(xt.stride(0), xt.stride(1)),
+                   K.ptr(wt), K.ptr(b), K.ptr(u), torch.get_num_threads())  # fmt: skip
+        ctx.save_for_backward(x, weight, bias)
+        return u.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, gu):
+        from memfit import _scan_kernel as K
+
+        x, weight, bias = ctx.saved_tensors
+        batch, dim, L = x.shape
+        k = weight.shape[-1]
+        nth = max(1, min(torch.get_num_threads(), batch))
+        xt = x.transpose(1, 2)
+        if xt.stride(2) != 1:
+            xt = xt.contiguous()
+        wt = weight.detach().reshape(dim, k).t().contiguous().to(x.dtype)
+        b = bias.detach().to(x.dtype).contiguous() if bias is not None else None
+        gut = gu.transpose(1, 2).contiguous()
+        gx = x.new_empty((batch, L, dim))
+        gw = x.new_zeros((nth, k, dim))
+        gb = x.new_zeros((nth, dim)) if bias is not None else None
+        sfx = "f64" if x.dtype == torch.float64 else "f32"
+        if not ssm._is_fake(x):
+            K.call(f"conv_bwd_{sfx}", K.ints(batch, L, dim, k), K.ptr(xt), K.ints(xt.stride(0), xt.stride(1)),
+                   K.ptr(wt), K.ptr(b), K.ptr(gut), K.ptr(gx), K.ptr(gw), K.ptr(gb), nth)  # fmt: skip
+        gw = gw.sum(0).t().reshape(weight.shape).to(weight.dtype)
+        gb = gb.sum(0).to(bias.dtype) if gb is not None else None
+        return gx.transpose(1, 2), gw, gb
+
+
 class Mamba(nn.Module):
     """Mamba-1 mixer: x (batch, L, d_model) -> (batch, L, d_model), causal in L."""
 
@@ -103,6 +164,8 @@ class Mamba(nn.Module):
         if self.config.use_kernels and _causal_conv1d_fn is not None and x.is_cuda:
             w = self.conv1d.weight.squeeze(1)
             return _causal_conv1d_fn(x, w, self.conv1d.bias, activation="silu")
+        if self.config.use_kernels and x.dtype in (torch.float32, torch.float64) and _fused_cpu(x):
+            return _ConvSiLU.apply(x, self.conv1d.weight, self.conv1d.bias)
         return F.silu(self.conv1d(x)[..., : x.shape[-1]])  # left padding only: trim the look-ahead outputs
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -17,6 +17,9 @@ over the groups. ``delta_bias`` is added to delta and ``delta_softplus`` applies
   chunk. Memory O(batch*dim*chunk*N + batch*dim*N*L/chunk). Inside a chunk everything except the
   recurrence itself is one vectorised op over the chunk, and the recurrence is one fused multiply-add per
   step on a contiguous (batch, dim, N) slice. On CUDA with mamba_ssm installed it calls mamba_ssm's kernel.
+  On CPU it runs the same chunked recompute scheme fused in C (_scan_kernel.c, compiled on first use;
+  without a C compiler the torch-op path runs): each (batch, dim) sequence keeps its N-vector state in
+  registers, so neither direction has chunk buffers, and softplus, D and the gate are fused in too.
 
 The scan always runs in fp32 (fp64 when u is fp64; autocast is switched off inside); the output has u's
 dtype.
@@ -426,6 +429,162 @@ class _ChunkedScan(torch.autograd.Function):
         )
 
 
+# ----------------------------------------------------------------------------------------------------
+# Fused CPU path: the recurrence in C (_scan_kernel.c), everything around it in torch
+# ----------------------------------------------------------------------------------------------------
+# The torch-op path above streams (batch, T, N, dim) chunk buffers through ~25 elementwise ops per
+# chunk; the C kernel keeps each (batch, dim) sequence's N-vector state in registers instead, so the
+# scan costs about one exp2 and a few multiply-adds per state entry and step. Softplus, D, the z gate
+# and their gradients are whole-tensor torch ops here. Memory: the forward keeps the state entering
+# every chunk of T steps (T = chunk_size, default 64) like the torch-op path, and neither direction
+# has chunk buffers (backward holds one chunk's states per thread, T x N values).
+
+FUSED_CHUNK = 64
+
+
+def _bc_kernel_layout(X: torch.Tensor, dim: int, cd: torch.dtype) -> tuple[torch.Tensor, tuple, int]:
+    """B or C for the kernel: (tensor with N contiguous, its (batch, group, t) strides, group size)."""
+    X = X.to(cd)
+    if X.dim() == 2:  # shared (dim, N)
+        X = X.contiguous()
+        return X, (0, X.stride(0), 0), 1
+    n_axis = X.dim() - 2
+    if X.stride(n_axis) != 1:
+        X = X.transpose(n_axis, -1).contiguous().transpose(n_axis, -1)
+    if X.dim() == 3:  # per step (batch, N, L): one group of all channels
+        return X, (X.stride(0), 0, X.stride(2)), dim
+    return X, (X.stride(0), X.stride(1), X.stride(3)), dim // X.shape[1]
+
+
+def _grad_accumulator(X: torch.Tensor, nth: int, cd: torch.dtype) -> tuple[torch.Tensor, tuple]:
+    """Zeroed per-thread gradient accumulators for B or C, n contiguous, and their
+    (thread, batch, group, t) strides."""
+    if X.dim() == 2:
+        dim, N = X.shape
+        acc = X.new_zeros((nth, dim, N), dtype=cd)
+        return acc, (dim * N, 0, N, 0)
+    if X.dim() == 3:
+        batch, N, L = X.shape
+        acc = X.new_zeros((nth, batch, L, N), dtype=cd)
+        return acc, (batch * L * N, L * N, 0, N)
+    batch, G, N, L = X.shape
+    acc = X.new_zeros((nth, batch, G, L, N), dtype=cd)
+    return acc, (batch * G * L * N, G * L * N, L * N, N)
+
+
+def _grad_from_accumulator(acc: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    g = acc.sum(0) if acc.shape[0] > 1 else acc[0]
+    return g if like.dim() == 2 else g.transpose(-1, -2)
+
+
+def _cd_or_none(x: torch.Tensor | None, cd: torch.dtype, contiguous: bool = False) -> torch.Tensor | None:
+    if x is None:
+        return None
+    x = x.to(cd)
+    return x.contiguous() if contiguous else x
+
+
+class _FusedScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_size):
+        from memfit import _scan_kernel as K
+
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            batch, dim, L = u.shape
+            N = A.shape[1]
+            T = min(chunk_size, L)
+            n_chunks = (L + T - 1) // T
+            cd = _compute_dtype(u)
+            sfx = "f64" if cd == torch.float64 else "f32"
+            A2 = (A.to(cd) * (_LOG2E if sfx == "f32" else 1.0)).contiguous()
+            uc, dl, zc = u.to(cd), delta.to(cd), _cd_or_none(z, cd)
+            Dc, bias = _cd_or_none(D, cd, True), _cd_or_none(delta_bias, cd, True)
+            Bk, sB, gsB = _bc_kernel_layout(B, dim, cd)
+            Ck, sC, gsC = _bc_kernel_layout(C, dim, cd)
+            y = _new_bld(u, cd).transpose(1, 2)
+            starts = u.new_empty((batch, n_chunks - 1, dim, N), dtype=cd)
+            last = u.new_empty((batch, dim, N), dtype=cd)
+            if not _is_fake(u):  # fake tensors: the allocations above are all an estimate needs
+                K.call(
+                    f"scan_fwd_{sfx}", K.ints(batch, dim, L, N, T, int(delta_softplus)), K.ptr(dl), K.bdl(dl),
+                    K.ptr(bias), K.ptr(uc), K.bdl(uc), K.ptr(zc), K.bdl(zc), K.ptr(Dc), K.ptr(A2), K.ptr(Bk),
+                    K.ints(*sB), gsB, K.ptr(Ck), K.ints(*sC), gsC, K.ptr(y), K.bdl(y), K.ptr(starts),
+                    K.ptr(last), torch.get_num_threads(),
+                )  # fmt: skip
+        ctx.delta_softplus = delta_softplus
+        ctx.chunk_size = T
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, starts)
+        ctx.set_materialize_grads(False)
+        return y.to(u.dtype), last
+
+    @staticmethod
+    def backward(ctx, dout, dlast):
+        from memfit import _scan_kernel as K
+
+        u, delta, A, B, C, D, z, delta_bias, starts = ctx.saved_tensors
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            batch, dim, L = u.shape
+            N = A.shape[1]
+            cd = _compute_dtype(u)
+            sfx = "f64" if cd == torch.float64 else "f32"
+            nth = max(1, min(torch.get_num_threads(), batch * dim))
+            Ac = A.to(cd).contiguous()
+            A2 = (Ac * (_LOG2E if sfx == "f32" else 1.0)).contiguous()
+            uc, dl, zc, go = u.to(cd), delta.to(cd), _cd_or_none(z, cd), _cd_or_none(dout, cd)
+            Dc, bias = _cd_or_none(D, cd, True), _cd_or_none(delta_bias, cd, True)
+            Bk, sB, gsB = _bc_kernel_layout(B, dim, cd)
+            Ck, sC, gsC = _bc_kernel_layout(C, dim, cd)
+            du = _new_bld(u, cd).transpose(1, 2)
+            ddelta = _new_bld(u, cd).transpose(1, 2)
+            dz = _new_bld(u, cd).transpose(1, 2) if z is not None else None
+            dA = u.new_zeros((nth, dim, N), dtype=cd)
+            dB, pB = _grad_accumulator(B, nth, cd)
+            dC, pC = _grad_accumulator(C, nth, cd)
+            dD = u.new_zeros((nth, dim), dtype=cd) if D is not None else None
+            dbias = u.new_zeros((nth, dim), dtype=cd) if delta_bias is not None else None
+            dl_last = _cd_or_none(dlast, cd, True)
+            if not _is_fake(u):
+                K.call(
+                    f"scan_bwd_{sfx}", K.ints(batch, dim, L, N, ctx.chunk_size, int(ctx.delta_softplus)),
+                    K.ptr(dl), K.bdl(dl), K.ptr(bias), K.ptr(uc), K.bdl(uc), K.ptr(zc), K.bdl(zc), K.ptr(Dc),
+                    K.ptr(A2), K.ptr(Ac), K.ptr(Bk), K.ints(*sB), gsB, K.ptr(Ck), K.ints(*sC), gsC,
+                    K.ptr(starts), K.ptr(dl_last), K.ptr(go), K.bdl(go), K.ptr(du), K.bdl(du), K.ptr(ddelta),
+                    K.bdl(ddelta), K.ptr(dz), K.bdl(dz), K.ptr(dA), K.ptr(dB), K.ints(*pB), K.ptr(dC),
+                    K.ints(*pC), K.ptr(dD), K.ptr(dbias), nth,
+                )  # fmt: skip
+
+        def cast(g, like):
+            return None if g is None or like is None else g.to(like.dtype)
+
+        def total(acc):  # per-thread accumulators, summed
+            return None if acc is None else (acc.sum(0) if acc.shape[0] > 1 else acc[0])
+
+        return (
+            cast(du, u),
+            cast(ddelta, delta),
+            cast(total(dA), A),
+            cast(_grad_from_accumulator(dB, B), B),
+            cast(_grad_from_accumulator(dC, C), C),
+            cast(total(dD), D),
+            cast(dz, z),
+            cast(total(dbias), delta_bias),
+            None,
+            None,
+        )
+
+
+def _use_fused_cpu(u: torch.Tensor, N: int) -> bool:
+    """The fused kernel runs CPU tensors with N <= its NMAX when it is built. Fake CPU tensors (memory
+    estimates) take the same path and make the same allocations, skipping only the C calls, so an
+    estimate equals the measured CPU step (a CUDA run without mamba_ssm takes the torch-op path, which
+    also holds about four (batch, chunk, N, dim) buffers)."""
+    if u.device.type != "cpu":
+        return False
+    from memfit import _scan_kernel
+
+    return N <= _scan_kernel.NMAX and _scan_kernel.library() is not None
+
+
 def _use_mamba_kernel(u: torch.Tensor) -> bool:
     return _mamba_scan_fn is not None and u.is_cuda and not _is_fake(u)
 
@@ -448,17 +607,24 @@ def selective_scan(
     """Chunked recomputing scan: u, delta (batch, dim, L) -> out (batch, dim, L) [, last (batch, dim, N)].
 
     Same arguments and result as mamba_ssm's ``selective_scan_fn``; ``chunk_size`` steps per chunk bound
-    the memory (None: ``auto_chunk_size``); ``use_kernels=False`` keeps mamba_ssm's CUDA kernel out. Unlike
-    mamba_ssm's, the gradient of ``last_state`` propagates.
+    the memory (None: ``auto_chunk_size``, or FUSED_CHUNK for the fused CPU kernel). ``use_kernels``: on
+    CUDA mamba_ssm's kernel when installed; on CPU the fused C kernel (_scan_kernel.c, built on first use
+    when a C compiler is there); False keeps both out (the torch-op path). Unlike mamba_ssm's, the
+    gradient of ``last_state`` propagates.
     """
     if chunk_size is not None and (
         not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
     ):
         raise ValueError(f"selective_scan: chunk_size must be a positive int or None, got {chunk_size!r}")
     batch, dim, L, N = _check_args(u, delta, A, B, C, D, z, delta_bias)
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(batch, dim, L, N)
     if use_kernels and _use_mamba_kernel(u):
         return _mamba_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
+    if use_kernels and _use_fused_cpu(u, N):
+        out, last = _FusedScan.apply(
+            u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), chunk_size or FUSED_CHUNK
+        )
+        return (out, last) if return_last_state else out
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(batch, dim, L, N)
     out, last = _ChunkedScan.apply(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), chunk_size)
     return (out, last) if return_last_state else out
