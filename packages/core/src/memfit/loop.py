@@ -60,13 +60,23 @@ def step_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch
     return g
 
 
-def warmup_cosine_lambda(total: int, warmup: int, min_ratio: float = 0.1) -> Callable[[int], float]:
-    """LR multiplier: linear warmup to 1 over `warmup` steps, cosine down to `min_ratio` at `total`."""
+def warmup_cosine_lambda(
+    total: int, warmup: int, min_ratio: float = 0.1, max_minutes: float | None = None
+) -> Callable[[int], float]:
+    """LR multiplier: linear warmup to 1 over `warmup` steps, cosine down to `min_ratio` at `total`.
+
+    With ``max_minutes`` the cosine follows max(step progress, wall-clock progress since this call), so a
+    time-budgeted run reaches the floor when its budget runs out whatever its speed (not exact on resume).
+    """
+    start = time.monotonic()
 
     def f(step: int) -> float:
         if warmup > 0 and step < warmup:
             return (step + 1) / (warmup + 1)  # nanoGPT's get_lr: never exactly 0, reaches 1 after warmup
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        progress = (step - warmup) / max(1, total - warmup)
+        if max_minutes:
+            progress = max(progress, (time.monotonic() - start) / (60 * max_minutes))
+        progress = min(1.0, progress)
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
