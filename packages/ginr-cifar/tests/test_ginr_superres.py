@@ -79,7 +79,7 @@ def test_ginr_eval_on_a_plain_image_folder(run, tmp_path, monkeypatch, capsys):
     assert out["split"] == "all" and out["num_images"] == 12 and out["checkpoint"].endswith("best.pt")
     assert "12 all images" in text and "bicubic" in text and "mean colour" in text
     saved = json.loads((tmp_path / "o" / "eval_all.json").read_text())
-    assert saved["bicubic16_psnr"] > saved["mean_colour_psnr"] and saved["latent_numbers"] == 16 * 64
+    assert saved["bicubic16_psnr"] > saved["mean_colour_psnr"] and saved["latent_numbers"] == 16 * 48
     assert ginr_eval.spread(12, 4).tolist() == [0, 4, 7, 11]  # both classes (files 0-5 cat, 6-11 dog)
     with Image.open(tmp_path / "o" / "recon_all.png") as im:
         assert im.size == (4 * (128 + 2) + 2, 2 * (128 + 2) + 2)

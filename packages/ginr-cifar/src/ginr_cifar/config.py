@@ -89,13 +89,14 @@ PRESETS: dict[str, GINRConfig] = {
     # The CPU recipe (train.RECIPES["cpu"] holds its training flags), chosen by measurement (README).
     "cpu": GINRConfig(
         patch_size=4,
-        dim=64,
+        dim=48,  # 16 LP tokens x 48 = a 768-number code, the size of the 16x16 -> bicubic baseline's
         num_lp=16,
         depth=2,
         d_state=8,
         hidden_dim=64,
         num_bands=8,
         max_freq=16.0,  # finest band at half the pixel Nyquist: no stripes between pixel centres
+        locality_init=16.0,  # each coordinate reads mostly its own LP token from the first step
         decoder_width=64,
         decoder_depth=1,
         decoder_heads=4,
