@@ -81,3 +81,14 @@ def test_ginr_cli_errors_are_clear(tmp_path):
         _train(tmp_path, "x", "--num_sample_coords", "5000", "--steps", "1")
     with pytest.raises(SystemExit, match="no run .*nothing_here"):
         ginr_eval.main(["--run", str(tmp_path / "nothing_here"), "--device", "cpu"])
+
+
+def test_ginr_time_budget_cosine_follows_the_clock():
+    # train --max_minutes without --steps: 10**7 steps, so only the clock can bring the LR down to its floor
+    from memfit.training import warmup_cosine_lambda
+
+    spent = warmup_cosine_lambda(10**7, 2, max_minutes=1e-9)
+    assert spent(0) == pytest.approx(1 / 3) and spent(5) == pytest.approx(0.1)
+    fresh = warmup_cosine_lambda(10**7, 2, max_minutes=60)
+    assert fresh(5) == pytest.approx(1.0, abs=1e-6)
+    assert ginr_train.build_parser().parse_args([]).steps is None  # the recipe fills it

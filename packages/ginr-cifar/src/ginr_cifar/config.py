@@ -32,6 +32,7 @@ class GINRConfig:
     num_bands: int = 16  # Fourier bands per scale (the finest scale reaches max_freq)
     max_freq: float = 32.0  # = image_size: the finest band sits at the pixel Nyquist frequency
     locality_bias: bool = True  # bias each coordinate's attention towards LP tokens' learnt positions
+    locality_init: float = 2.0  # its initial strength: logits - locality_init * squared distance
     # SCENT-style decoder between modulation and hyponet
     decoder: str = "ff"  # "attn" (naive baseline) | "ff" (Solution 1) | "xattn" (Solution 2)
     decoder_width: int = 512
@@ -80,6 +81,22 @@ PRESETS: dict[str, GINRConfig] = {
         d_state=8,
         hidden_dim=64,
         num_bands=8,
+        decoder_width=64,
+        decoder_depth=1,
+        decoder_heads=4,
+        decoder_ff_mult=2,
+    ),
+    # The CPU recipe (train.RECIPES["cpu"] holds its training flags), chosen by measurement (README).
+    "cpu": GINRConfig(
+        patch_size=4,
+        dim=48,  # 16 LP tokens x 48 = a 768-number code, the size of the 16x16 -> bicubic baseline's
+        num_lp=16,
+        depth=2,
+        d_state=8,
+        hidden_dim=64,
+        num_bands=8,
+        max_freq=16.0,  # finest band at half the pixel Nyquist: no stripes between pixel centres
+        locality_init=16.0,  # each coordinate reads mostly its own LP token from the first step
         decoder_width=64,
         decoder_depth=1,
         decoder_heads=4,

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".gif", ".tif", ".tiff", ".webp")
+SPLITS = ("train", "holdout", "test", "all")
 SPLIT_SEED = 1234  # the held-out split never depends on the training seed
 
 
@@ -238,13 +239,20 @@ def load_split(
     size: int = 32,
     cache_dir: str | Path | None = None,
 ) -> ImageSet:
-    """Images of one split: "train" (minus the held-out images), "holdout", or "test".
+    """Images of one split: "train" (minus the held-out images), "holdout", "test", or "all".
 
     The holdout is ``holdout`` images drawn from the training set with a fixed seed, never trained on.
-    ``max_images`` keeps the first images of the split (after the split, so the holdout is unchanged).
+    "test" is CIFAR-10's test batch or a folder's ``test/`` tree; "all" is every image under an image
+    folder (any layout: an ImageFolder root, or plain files). ``max_images`` keeps the first images of
+    the split (after the split, so the holdout is unchanged).
     """
-    if split not in ("train", "holdout", "test"):
-        raise ValueError(f"split must be train, holdout or test; got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+    if split == "all":
+        if data is None or _find_cifar_batches(Path(data).expanduser()) is not None:
+            raise ValueError("--split all takes an image folder; use --split test for CIFAR-10 batches")
+        files = list_image_files(Path(data).expanduser())[:max_images]
+        return ImageSet(load_image_files(files, size, cache_dir), f"image folder {data} ({len(files)} files)")
     if data is None:
         images, source = embedded_images(size).clone(), "embedded (matplotlib sample photos, 32x32 crops)"
         if split == "test":
@@ -356,11 +364,19 @@ def procedural_textures(size: int = 32, count: int = EMBEDDED_COUNT) -> torch.Te
 
 
 def sample_batch(
-    images: torch.Tensor, batch_size: int, num_coords: int, generator: torch.Generator, device: torch.device
+    images: torch.Tensor,
+    batch_size: int,
+    num_coords: int,
+    generator: torch.Generator,
+    device: torch.device,
+    jitter: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random images and pixels: (images (B, 3, H, W) float 0..1, coords (B, K, 2), rgb (B, K, 3)).
 
     ``images`` is uint8 (N, 3, H, W) on any device; all randomness comes from ``generator`` (CPU).
+    ``jitter`` > 0 moves each sampled coordinate uniformly by up to ``jitter`` pixels (each axis) off its
+    pixel centre and takes the bilinearly interpolated colour there as the target, so the decoder is
+    trained between pixel centres too (what a finer decode queries), not only at them.
     """
     N, _, H, W = images.shape
     P = H * W
@@ -368,9 +384,25 @@ def sample_batch(
         raise ValueError(f"num_sample_coords must be in [1, {P}], got {num_coords}")
     idx = torch.randint(N, (batch_size,), generator=generator)
     pix = torch.rand(batch_size, P, generator=generator).argsort(dim=1)[:, :num_coords]
+    offset = (torch.rand(batch_size, num_coords, 2, generator=generator) * 2 - 1) * jitter if jitter else None
     imgs = images[idx.to(images.device)].to(device, non_blocking=True).float() / 255
     pix = pix.to(device)
     grid = pixel_coords(H, device=device)
     coords = grid[pix]
-    target = image_to_pixels(imgs).gather(1, pix[..., None].expand(-1, -1, imgs.shape[1]))
-    return imgs, coords, target
+    if offset is None:
+        target = image_to_pixels(imgs).gather(1, pix[..., None].expand(-1, -1, imgs.shape[1]))
+        return imgs, coords, target
+    coords = (coords + offset.to(device) * (2 / H)).clamp(-1, 1)
+    return imgs, coords, sample_image(imgs, coords)
+
+
+def sample_image(images: torch.Tensor, coords: torch.Tensor) -> torch.Tensor:
+    """Bilinear colour of images (B, C, H, W) at coords (B, K, 2) (y, x) in [-1, 1] -> (B, K, C).
+
+    Pixel centres return the pixel exactly; outside the outermost centres the border pixel is repeated.
+    """
+    g = coords.flip(-1)[:, :, None]  # grid_sample wants (x, y)
+    out = torch.nn.functional.grid_sample(
+        images, g, mode="bilinear", padding_mode="border", align_corners=False
+    )
+    return out[..., 0].transpose(1, 2)

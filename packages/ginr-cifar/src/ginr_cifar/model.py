@@ -124,7 +124,8 @@ class ModulationNetwork(nn.Module):
         self.locality = cfg.locality_bias
         if self.locality:
             self.lp_pos = nn.Parameter(_lp_centres(cfg))
-            self.log_scale = nn.Parameter(torch.full((H,), math.log(2.0)))  # sigma ~ 0.5 of the [-1, 1] span
+            # default 2: sigma ~ 0.5 of the [-1, 1] span
+            self.log_scale = nn.Parameter(torch.full((H,), math.log(cfg.locality_init)))
 
     def forward(self, gamma: torch.Tensor, coords: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
         """gamma (B, N, F), coords (B, N, 2), latent (B, M, dim) -> modulation (B, N, W)."""

@@ -12,6 +12,7 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,25 +48,73 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder", choices=["attn", "ff", "xattn"], default=None, help="decoder variant")
     p.add_argument("--decoder_width", type=int, default=None)
     p.add_argument("--decoder_depth", type=int, default=None, help="decoder scales")
-    p.add_argument("--batch_size", type=int, default=64)
-    p.add_argument("--num_sample_coords", type=int, default=512, help="pixels per image per step (of 1024)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch_size", type=int, default=None, help="images per step (default: the recipe's)")
+    p.add_argument(
+        "--num_sample_coords", type=int, default=None, help="pixels per image per step (of 1024; recipe's)"
+    )
+    p.add_argument(
+        "--jitter",
+        type=float,
+        default=None,
+        help="move sampled coordinates up to this many pixels off their centres, bilinear targets "
+        "(0: pixel centres only; recipe's)",
+    )
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
     p.add_argument("--weight_decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=100, help="linear warmup steps before the cosine decay")
+    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps before the cosine decay")
     p.add_argument("--holdout", type=int, default=500, help="training images held out for evaluation")
     p.add_argument("--max_images", type=int, default=None, help="use only the first N training images")
-    p.add_argument("--eval_every", type=int, default=0, help="held-out PSNR every N steps (0: at the end)")
-    p.add_argument("--eval_images", type=int, default=500, help="held-out images in that PSNR")
+    p.add_argument(
+        "--eval_every",
+        type=int,
+        default=None,
+        help="held-out PSNR every N steps, the best kept as best.pt (0: at the end; recipe's)",
+    )
+    p.add_argument("--eval_images", type=int, default=None, help="held-out images in that PSNR (recipe's)")
     p.add_argument("--cache_dir", default=str(default_cache_dir()), help="decoded-image cache for folders")
     p.add_argument("--no_cache", action="store_true", help="decode image folders every time")
     p.add_argument("--profile", action="store_true", help="time encode vs decode, report memory, and exit")
     p.add_argument("--profile_iters", type=int, default=10)
-    add_loop_args(p, steps=1000, log_every=10, save_every=200)
+    add_loop_args(p, steps=None, log_every=10, save_every=200)
     return p
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """Training flags a preset comes with (each overridable on the command line)."""
+
+    batch_size: int = 64
+    num_sample_coords: int = 512
+    jitter: float = 0.0
+    lr: float = 1e-3
+    warmup: int = 100
+    steps: int = 1000
+    eval_every: int = 0
+    eval_images: int = 500
+
+
+# "cpu": chosen by measurement on one CPU thread (README "Learning"); every other preset keeps the seed's.
+RECIPES = {
+    "cpu": Recipe(
+        batch_size=32, num_sample_coords=256, jitter=0.5, lr=3e-3, warmup=50, eval_every=100, eval_images=250
+    )
+}
+
+
+def apply_recipe(args: argparse.Namespace, name: str) -> Recipe:
+    """Fill the flags left unset from the preset's recipe; with --max_minutes and no --steps, train until
+    the time budget (the cosine schedule then follows the clock)."""
+    recipe = RECIPES.get(name, Recipe())
+    if args.steps is None:
+        args.steps = 10**7 if args.max_minutes else recipe.steps
+    for key in ("batch_size", "num_sample_coords", "jitter", "lr", "warmup", "eval_every", "eval_images"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(recipe, key))
+    return recipe
+
+
 def _model_config(args: argparse.Namespace, device: torch.device):
-    name = args.config if args.config != "auto" else ("balanced" if device.type == "cuda" else "tiny")
+    name = args.config if args.config != "auto" else ("balanced" if device.type == "cuda" else "cpu")
     fields = {"decoder": "decoder", "decoder_width": "decoder_width", "decoder_depth": "decoder_depth"}
     fields["checkpointing"] = "checkpoint"
     return name, get_config(name, **overrides_from_args(args, fields))
@@ -120,12 +169,16 @@ def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
+    try:
+        name, cfg = _model_config(args, resolve_device(args.device))
+    except ValueError as e:
+        raise SystemExit(f"ginr-train: {e}") from None
+    apply_recipe(args, name)
     check_numbers(args, lr=">0", weight_decay=">=0", warmup=">=0", batch_size=">=1", eval_every=">=0")
-    check_numbers(args, eval_images=">=1", holdout=">=0", profile_iters=">=1")
+    check_numbers(args, eval_images=">=1", holdout=">=0", profile_iters=">=1", jitter=">=0")
     loop = loop_config_from_args(args, system=SYSTEM_NAME)
     device = resolve_device(loop.device)
     try:
-        name, cfg = _model_config(args, device)
         train_set = load_split(
             args.data,
             "train",
@@ -168,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def get_batch(step: int, micro: int):
         g = step_generator(loop.seed, step, micro, rank=rank)
-        return sample_batch(images, args.batch_size, args.num_sample_coords, g, device)
+        return sample_batch(images, args.batch_size, args.num_sample_coords, g, device, jitter=args.jitter)
 
     if args.profile:
         batch = get_batch(0, 0)
@@ -185,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, warmup_cosine_lambda(loop.steps, min(args.warmup, loop.steps))
+        opt, warmup_cosine_lambda(loop.steps, min(args.warmup, loop.steps), max_minutes=loop.max_minutes)
     )
     eval_imgs = held.images[: args.eval_images] if held is not None else None
 
@@ -201,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
         scheduler=sched,
         eval_fn=eval_fn if eval_imgs is not None and len(eval_imgs) else None,
         eval_every=args.eval_every,
+        best_metric="holdout_psnr",
         config=cfg,
         meta={"preset": name, "data": args.data, "holdout": args.holdout},
         items_per_step=args.batch_size * args.grad_accum,
@@ -210,8 +264,9 @@ def main(argv: list[str] | None = None) -> dict:
     if "eval/holdout_psnr" in result:
         baseline = mean_colour_psnr(eval_imgs)
         print(
-            f"held-out PSNR {result['eval/holdout_psnr']:.2f} dB on {len(eval_imgs)} images "
-            f"(mean-colour baseline {baseline:.2f} dB)"
+            f"held-out PSNR {result['eval/holdout_psnr']:.2f} dB on {len(eval_imgs)} images, best "
+            f"{result['best/holdout_psnr']:.2f} dB at step {result['best_step']} (best.pt; "
+            f"mean-colour baseline {baseline:.2f} dB)"
         )
         result["mean_colour_psnr"] = baseline
     if not math.isfinite(result.get("loss", 0.0)):
