@@ -2,8 +2,9 @@
 
     OMP_NUM_THREADS=1 uv run --frozen python tools/time_budget.py [--system S] [--profile OUT.prof]
 
-Prints per entry: wall and process CPU seconds (CPU time is what a busy machine does not inflate), the estimated peak in bytes (exact, so a speed change that moves a figure
-shows), and params. Run it under /work/helpers/cpuquiet (or say the load) when the times matter.
+Prints per entry: wall and process CPU seconds (CPU time is what a busy machine does not inflate), the
+estimated peak in bytes (exact, so a speed change that moves a figure shows), and params. Run it under
+/work/helpers/cpuquiet (or say the load) when the times matter.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def main() -> None:
             dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             total += dt
             print(
-                f"{name:20s} {e.variant:18s} {dt:7.2f} s wall {cpu:7.2f} s cpu  peak {r.peak_bytes:>14d} B  params {r.params}"
+                f"{name:20s} {e.variant:18s} {dt:7.2f} s wall {cpu:7.2f} s cpu  "
+                f"peak {r.peak_bytes:>14d} B  params {r.params}"
             )
     print(f"total {total:.1f} s, load {os.getloadavg()[0]:.2f}")
     if prof:
