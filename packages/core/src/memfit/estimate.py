@@ -39,10 +39,12 @@ from torch import nn
 
 from memfit.flags import hidden_alias
 from memfit.memory import (
+    _QUERIES,
     CATEGORIES,
     GIB,
     MemoryReport,
     TrainStep,
+    _query,
     _StorageTracker,
     default_optimizer,
     estimate_training_step,
@@ -118,6 +120,8 @@ class TraceTracker(_StorageTracker):
         entry[FREED] = self.seq
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _QUERIES:  # a device/size query makes nothing: keep the label of the last real op
+            return _query(func, args, kwargs)
         self.op = func.overloadpacket.__name__.lstrip("_")
         # the storage entry of the first tensor argument: how a softmax is traced back to its matmul
         self.src = None

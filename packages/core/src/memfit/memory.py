@@ -19,6 +19,7 @@ Both take the same ``TrainStep`` so calibration tests can compare them directly.
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, is_fake
+from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager, is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -134,6 +135,10 @@ class _StorageTracker(TorchDispatchMode):
 
     def _storage(self, t: torch.Tensor):
         cls = type(t)
+        if cls is not torch.Tensor and cls is not FakeTensor and cls is not nn.Parameter:
+            # a DTensor (FSDP2's sharded parameters and their state) holds memory in its local shard only
+            t = getattr(t, "_local_tensor", t)
+            cls = type(t)
         fake = True if cls is FakeTensor else (False if cls is torch.Tensor else is_fake(t))
         if fake != self.fake or t.layout is not torch.strided or t.is_nested:
             return None
@@ -165,6 +170,37 @@ class _StorageTracker(TorchDispatchMode):
             self._on_peak()
         weakref.finalize(st, self._free, entry)
 
+    def __enter__(self):
+        if not self.fake:  # FSDP2 frees and re-allocates parameter memory by resizing storages in place
+            self._resize = torch.UntypedStorage.resize_
+            tracker, resize = self, self._resize
+
+            def resize_(st, size):
+                out = resize(st, size)
+                tracker._resized(st)
+                return out
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if not self.fake:
+            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+    def _resized(self, st) -> None:
+        entry = self._entries.get(st)
+        if entry is None:
+            return
+        delta = st.nbytes() - entry[0]
+        entry[0] += delta
+        self.live += delta
+        self.by_category[entry[1]] += delta
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_by_category = dict(self.by_category)
+            self._on_peak()
+
     # Extension points (memfit.estimate records what made each storage): an entry is [nbytes, category, ...].
     def _new_entry(self, st, t: torch.Tensor, category: str) -> list:
         return [st.nbytes(), category]
@@ -185,6 +221,8 @@ class _StorageTracker(TorchDispatchMode):
         self.by_category[entry[1]] -= entry[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in _QUERIES:  # device/size/stride queries: no tensor made, and most of a step's calls
+            return _query(func, args, kwargs)
         out = _fast_fake_call(func, args, kwargs) if self.fake else func(*args, **(kwargs or {}))
         outs = _tensors(out)
         if not outs:
@@ -205,30 +243,61 @@ class _StorageTracker(TorchDispatchMode):
 # ----------------------------------------------------------------------------------------------------
 # A faster fake-tensor op for the estimator
 # ----------------------------------------------------------------------------------------------------
-# FakeTensorMode computes a general cache key for every op (SymInts, constants, views...): about half of an
-# estimate's time. Most ops of a training step make fresh tensors whose size, stride and dtype follow from
-# the inputs' sizes, strides and dtypes alone. For those ops (no mutation, no aliasing output, no
-# data-dependent shape, no constant inputs) the first call goes through FakeTensorMode and the outputs'
-# metadata is remembered under a cheap key; later calls build the FakeTensors directly.
+# FakeTensorMode computes a general cache key for every op (SymInts, constants, views...): most of an
+# estimate's time. But what an op returns under fake tensors follows from its inputs' metadata alone for
+# the three kinds of op a training step is made of:
+#   - "fresh": a new tensor (no mutation, no aliasing output): the first call of a key (the inputs' size,
+#     stride, dtype, device and the other arguments) goes through FakeTensorMode, and its outputs' size,
+#     stride and dtype are remembered; later calls build the FakeTensors directly;
+#   - "view" (slice, transpose, view, select, split, _unsafe_view...): the op's meta kernel is run on the
+#     fake inputs and the result wrapped, which is what FakeTensorMode does for them after its checks (no
+#     cache: a loop over slices would never hit one);
+#   - "inplace" (mul_, copy_, masked_fill_, out= variants): remembered per key like "fresh"; later calls
+#     return the mutated argument, whose size and stride the first call showed unchanged.
+# Ops with a data-dependent shape, an in-place view (as_strided_, resize) or constant-folded inputs never
+# take this path.
 
-_OP_OK: dict[Any, bool] = {}
+_OP_KIND: dict[Any, str | None] = {}
+_PRIM_DEVICE = torch.ops.prim.device.default
+_QUERIES = {
+    _PRIM_DEVICE,
+    torch.ops.aten.size.default,
+    torch.ops.aten.stride.default,
+    torch.ops.aten.storage_offset.default,
+}
+
+
+def _query(func, args, kwargs):
+    """What a metadata query returns (FakeTensor answers prim.device itself, outside kernels)."""
+    t = args[0]
+    if func is _PRIM_DEVICE and type(t) is FakeTensor and not t.fake_mode.in_kernel_invocation:
+        return t.fake_device
+    return func(*args, **(kwargs or {}))
+
+
 _OUT_META: dict[tuple, Any] = {}
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 _NO_CACHE_TAGS = {torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output, torch.Tag.inplace_view}
+_UNCACHED = False  # a key seen once whose result is not one of the kinds above: always the slow path
 
 
-def _op_ok(func) -> bool:
-    ok = _OP_OK.get(func)
-    if ok is None:
-        schema = getattr(func, "_schema", None)
-        ok = (
-            schema is not None
-            and not schema.is_mutable
-            and all(r.alias_info is None for r in schema.returns)
-            and not _NO_CACHE_TAGS.intersection(getattr(func, "tags", ()))
-        )
-        _OP_OK[func] = ok
-    return ok
+def _op_kind(func) -> str | None:
+    """ "fresh", "view", "inplace" or None (always through FakeTensorMode) for an aten op."""
+    if func in _OP_KIND:
+        return _OP_KIND[func]
+    schema = getattr(func, "_schema", None)
+    kind = None
+    if schema is not None and not _NO_CACHE_TAGS.intersection(getattr(func, "tags", ())):
+        aliases = [r.alias_info for r in schema.returns]
+        view = getattr(func, "is_view", False) and bool(schema.returns)
+        if view or func is torch.ops.aten._unsafe_view.default:
+            kind = "view"  # _unsafe_view has no alias annotation but shares its input's storage
+        elif not schema.is_mutable and all(a is None for a in aliases):
+            kind = "fresh"
+        elif schema.is_mutable and len(aliases) == 1 and aliases[0] is not None and aliases[0].is_write:
+            kind = "inplace"
+    _OP_KIND[func] = kind
+    return kind
 
 
 def _key_of(x, found: list) -> Any:
@@ -237,8 +306,7 @@ def _key_of(x, found: list) -> Any:
     if type(x) is FakeTensor:
         if x.constant is not None or x.layout is not torch.strided:
             raise KeyError
-        if not found:
-            found.append(x)
+        found.append(x)
         return (x.shape, x.stride(), x.dtype, x.device)
     if isinstance(x, (list, tuple)):
         return (type(x), *(_key_of(a, found) for a in x))
@@ -247,17 +315,22 @@ def _key_of(x, found: list) -> Any:
     raise KeyError
 
 
+def _meta(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.storage_offset(), t.dtype, t.device)
+
+
 def _out_meta(out) -> Any:
     if type(out) is FakeTensor:
-        return (out.shape, out.stride(), out.dtype, out.device)
+        return _meta(out)
     if isinstance(out, (list, tuple)) and all(type(o) is FakeTensor or o is None for o in out):
         return (type(out), [None if o is None else _out_meta(o) for o in out])
     return None
 
 
 def _build(meta, mode) -> Any:
+    """FakeTensors (or a list/tuple of them) of the metadata _out_meta remembered."""
     if isinstance(meta[0], torch.Size):
-        shape, stride, dtype, device = meta
+        shape, stride, _, dtype, device = meta
         with torch._C._DisableTorchDispatch():
             elem = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
         return FakeTensor(mode, elem, device)
@@ -265,11 +338,22 @@ def _build(meta, mode) -> Any:
     return kind(None if m is None else _build(m, mode) for m in items)
 
 
+def _fake_view(func, args, kwargs, base: FakeTensor) -> Any:
+    """A view op on fake tensors: its meta kernel on the inputs, outputs wrapped on the base's device."""
+    mode = base.fake_mode
+    with in_kernel_invocation_manager(mode):
+        out = func(*args, **(kwargs or {}))
+    if isinstance(out, torch.Tensor):
+        return FakeTensor(mode, out, base.fake_device)
+    return type(out)(FakeTensor(mode, o, base.fake_device) for o in out)
+
+
 FAST_FAKE = True  # off: every op goes through FakeTensorMode (the tests compare both)
 
 
 def _fast_fake_call(func, args, kwargs):
-    if not FAST_FAKE or not _op_ok(func):
+    kind = _op_kind(func) if FAST_FAKE else None
+    if kind is None:
         return func(*args, **(kwargs or {}))
     found: list = []
     try:
@@ -278,19 +362,38 @@ def _fast_fake_call(func, args, kwargs):
         return func(*args, **(kwargs or {}))
     if not found:  # no fake tensor argument: nothing tells us the mode; a factory op, let the mode run it
         return func(*args, **(kwargs or {}))
+    if kind == "view":
+        return _fake_view(func, args, kwargs, found[0])
     meta = _OUT_META.get(key)
     if meta is not None:
-        return _build(meta, found[0].fake_mode) if meta else func(*args, **(kwargs or {}))
+        if meta is _UNCACHED:
+            return func(*args, **(kwargs or {}))
+        if kind == "fresh":
+            return _build(meta, found[0].fake_mode)
+        return kwargs["out"] if meta == "out" else args[0]
+    before = [_meta(t) for t in found]
     out = func(*args, **(kwargs or {}))
     if len(_OUT_META) < 200_000:
-        # an output that shares an input's storage (aten._unsafe_view has no alias annotation) must keep
-        # sharing it: such keys always go through FakeTensorMode
-        inputs = {id(t.untyped_storage()) for t in _tensors(args)}
-        aliased = any(id(t.untyped_storage()) in inputs for t in _tensors(out))
-        meta = False if aliased else _out_meta(out)
-        if meta is not None:
-            _OUT_META[key] = meta
+        _OUT_META[key] = _remember(kind, out, args, kwargs, found, before)
     return out
+
+
+def _remember(kind: str, out, args, kwargs, found: list, before: list) -> Any:
+    """What to store for a key after its first (FakeTensorMode) call; _UNCACHED when it does not fit kind."""
+    if kind == "inplace":
+        # the op may only have written data: every tensor argument keeps its size, stride and offset
+        if [_meta(t) for t in found] != before:
+            return _UNCACHED
+        if args and out is args[0]:
+            return "self"
+        return "out" if kwargs and out is kwargs.get("out") else _UNCACHED
+    meta = _out_meta(out)
+    outs = _tensors(out)
+    if meta is None or not outs:
+        return _UNCACHED
+    # an output on an input's storage (an op without alias annotation that aliases) is not fresh
+    inputs = {id(t.untyped_storage()) for t in found}
+    return _UNCACHED if any(id(t.untyped_storage()) in inputs for t in outs) else meta
 
 
 def _tensors(x) -> list[torch.Tensor]:
@@ -428,7 +531,9 @@ def _tracked_steps(
 
         return hook
 
-    with tracker, torch.device(device):
+    # a device context puts a Python __torch_function__ layer under every torch call: only when needed
+    on_device = contextlib.nullcontext() if torch.get_default_device() == device else torch.device(device)
+    with tracker, on_device:
         tracker.category = "params"
         model = step.build_model()
         opt = step.optimizer(model.parameters())
@@ -496,10 +601,16 @@ def fake_mode() -> Iterator[Any]:
     # that the optimizer step then refuses to mix with ours: clone in the current mode instead.
     old = FakeTensor.__dict__.get("__deepcopy__")
     FakeTensor.__deepcopy__ = _fake_deepcopy  # type: ignore[method-assign]
+    # FakeTensorMode logs a traceback when an op's meta kernel raises (a shape that does not fit the
+    # model): the error itself reaches the caller, which reports it in one line.
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
     try:
         with FakeTensorMode(allow_non_fake_inputs=False) as mode:
             yield mode
     finally:
+        log.setLevel(level)
         if old is None:
             del FakeTensor.__deepcopy__
         else:
