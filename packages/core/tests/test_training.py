@@ -259,6 +259,18 @@ def test_max_minutes_stops_cleanly_saves_and_resumes(tmp_path, capsys):
         LoopConfig(max_minutes=0)
 
 
+def test_a_run_until_its_budget_reports_steps_without_a_bogus_total(tmp_path, capsys):
+    """Trainers pass steps=UNTIL_BUDGET for `--max_minutes` without `--steps`: the stop message names the
+    step reached, not "of 10000000"."""
+    from memfit.loop import UNTIL_BUDGET
+
+    t = build(tmp_path / "budget", steps=UNTIL_BUDGET, save_every=0)
+    t.cfg.max_minutes = 1e-9
+    assert t.fit()["stopped_early"] and t.step == 1
+    err = capsys.readouterr().err
+    assert "stopped at step 1;" in err and f"of {UNTIL_BUDGET}" not in err
+
+
 def test_best_metric_writes_best_checkpoint_and_logs_best_step(tmp_path):
     """eval results 3, 5, 4, 1 (max): best.pt holds step 4's weights; metrics say best/score and best_step."""
     scores = iter([3.0, 5.0, 4.0, 1.0])

@@ -82,9 +82,19 @@ def warmup_cosine_lambda(
     return f
 
 
+UNTIL_BUDGET = 10**7
+"""``steps`` for a run that trains until its ``--max_minutes`` budget (no step count of its own)."""
+
+
+def _of_steps(steps: int) -> str:
+    """ " of N" for a progress message, nothing for a run that goes until its time budget."""
+    return "" if steps >= UNTIL_BUDGET else f" of {steps}"
+
+
 def _progress(total: int, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
+    total = None if total >= UNTIL_BUDGET else total  # a budget run: steps and rate, no bogus ETA
     return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, unit="step")
 
 
@@ -354,8 +364,8 @@ class Trainer:
             signum = self._signal or signal.SIGINT
             if self.dist.is_main:
                 print(
-                    f"[memfit] stopped by {signal.Signals(signum).name} at step {self.step} of {cfg.steps}; "
-                    f"saved {path}; continue with --resume",
+                    f"[memfit] stopped by {signal.Signals(signum).name} at step {self.step}"
+                    f"{_of_steps(cfg.steps)}; saved {path}; continue with --resume",
                     file=sys.stderr,
                 )
             raise SystemExit(128 + signum)
@@ -365,8 +375,8 @@ class Trainer:
         path = self.save()
         if self.stopped_early and self.dist.is_main:
             print(
-                f"[memfit] --max_minutes {cfg.max_minutes:g} reached: stopped at step {self.step} of "
-                f"{cfg.steps}; checkpoint {path}; continue with --resume",
+                f"[memfit] --max_minutes {cfg.max_minutes:g} reached: stopped at step {self.step}"
+                f"{_of_steps(cfg.steps)}; checkpoint {path}; continue with --resume",
                 file=sys.stderr,
             )
         last["stopped_early"] = self.stopped_early

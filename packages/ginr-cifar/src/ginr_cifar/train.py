@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from memfit.config import overrides_from_args
+from memfit.loop import UNTIL_BUDGET
 from memfit.training import (
     Trainer,
     add_loop_args,
@@ -106,7 +107,7 @@ def apply_recipe(args: argparse.Namespace, name: str) -> Recipe:
     the time budget (the cosine schedule then follows the clock)."""
     recipe = RECIPES.get(name, Recipe())
     if args.steps is None:
-        args.steps = 10**7 if args.max_minutes else recipe.steps
+        args.steps = UNTIL_BUDGET if args.max_minutes else recipe.steps
     for key in ("batch_size", "num_sample_coords", "jitter", "lr", "warmup", "eval_every", "eval_images"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(recipe, key))

@@ -17,6 +17,7 @@ from dataclasses import fields, replace
 
 import numpy as np
 import torch
+from memfit.loop import UNTIL_BUDGET
 from memfit.training import check_numbers, dist_info, resolve_device
 
 from mbsnet_speech.config import PRESETS, LossWeights, Recipe, get_config, recipe_for
@@ -109,7 +110,7 @@ def resolve_recipe(args: argparse.Namespace) -> Recipe:
             )
     recipe = recipe_for(args.config)
     if args.steps is None and args.max_minutes:
-        args.steps = 10**7  # until the time budget
+        args.steps = UNTIL_BUDGET  # until the time budget
     keys = ("batch_size", "seconds", "lr", "steps", "amp", "threads", "noisy_phase", "eval_every")
     for key in (*keys, "val_files"):
         if getattr(args, key) is None:

@@ -18,6 +18,7 @@ import sys
 
 import torch
 from memfit.config import overrides_from_args
+from memfit.loop import UNTIL_BUDGET
 from memfit.training import (
     Trainer,
     add_loop_args,
@@ -100,7 +101,7 @@ def apply_recipe(args: argparse.Namespace) -> None:
         args.config = "tiny" if on_gpu else "cpu"
     recipe = recipe_for(args.config)
     if args.steps is None and args.max_minutes:
-        args.steps = 10**7  # until the time budget
+        args.steps = UNTIL_BUDGET  # until the time budget
     for key in ("lr", "batch_size", "steps", "warmup", "amp", "threads", "eval_every", "save_every"):
         if getattr(args, key) is None:
             setattr(args, key, getattr(recipe, key))
