@@ -259,6 +259,23 @@ def test_max_minutes_stops_cleanly_saves_and_resumes(tmp_path, capsys):
         LoopConfig(max_minutes=0)
 
 
+def test_learning_rate_follows_the_time_budget(monkeypatch):
+    """With max_minutes the cosine reaches its floor when the budget runs out, whatever the step."""
+    import memfit.loop
+
+    now = [100.0]
+    monkeypatch.setattr(memfit.loop.time, "monotonic", lambda: now[0])
+    f = warmup_cosine_lambda(10**7, 10, min_ratio=0.1, max_minutes=2.0)
+    assert f(0) == pytest.approx(1 / 11) and f(9) == pytest.approx(10 / 11)  # warmup
+    assert f(10) == pytest.approx(1.0)
+    now[0] += 60  # half the budget: the middle of the cosine
+    assert f(500) == pytest.approx(0.1 + 0.9 * 0.5)
+    now[0] += 60
+    assert f(501) == pytest.approx(0.1)
+    g = warmup_cosine_lambda(110, 10, max_minutes=None)
+    assert g(60) == pytest.approx(0.1 + 0.9 * 0.5) and g(110) == pytest.approx(0.1)
+
+
 def test_a_run_until_its_budget_reports_steps_without_a_bogus_total(tmp_path, capsys):
     """Trainers pass steps=UNTIL_BUDGET for `--max_minutes` without `--steps`: the stop message names the
     step reached, not "of 10000000"."""

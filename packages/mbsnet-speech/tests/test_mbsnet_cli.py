@@ -198,21 +198,6 @@ def test_enhance_long_file_in_chunks(trained, tmp_path, speech):
         enhance.main([str(tmp_path / "nope.wav"), "--out", str(tmp_path), "--ckpt", str(run_dir)])
 
 
-def test_learning_rate_follows_the_time_budget(monkeypatch):
-    """With --max_minutes the cosine reaches its floor when the budget runs out, whatever the step."""
-    now = [100.0]
-    monkeypatch.setattr(train.time, "monotonic", lambda: now[0])
-    f = train.budget_cosine_lambda(steps=10**7, warmup=10, max_minutes=2.0, min_ratio=0.1)
-    assert f(0) == pytest.approx(1 / 11) and f(9) == pytest.approx(10 / 11)  # warmup
-    assert f(10) == pytest.approx(1.0)
-    now[0] += 60  # half the budget: the middle of the cosine
-    assert f(500) == pytest.approx(0.1 + 0.9 * 0.5)
-    now[0] += 60
-    assert f(501) == pytest.approx(0.1)
-    g = train.budget_cosine_lambda(steps=110, warmup=10, max_minutes=None)
-    assert g(60) == pytest.approx(0.1 + 0.9 * 0.5) and g(110) == pytest.approx(0.1)
-
-
 def test_noisy_phase_keeps_the_input_phase_and_trains_only_the_mask():
     torch.manual_seed(0)
     from mbsnet_speech.config import tiny_config

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import math
 import sys
-import time
 from dataclasses import fields, replace
 
 import numpy as np
 import torch
-from memfit.loop import UNTIL_BUDGET
+from memfit.loop import UNTIL_BUDGET, warmup_cosine_lambda
 from memfit.training import check_numbers, dist_info, resolve_device
 
 from mbsnet_speech.config import PRESETS, LossWeights, Recipe, get_config, recipe_for
@@ -136,23 +134,6 @@ def loss_weights(spec: str | None, base: LossWeights) -> LossWeights:
     return replace(base, **out)
 
 
-def budget_cosine_lambda(steps: int, warmup: int, max_minutes: float | None, min_ratio: float = 0.1):
-    """Linear warmup then cosine to min_ratio over max(step / steps, elapsed / max_minutes): with a time
-    budget the learning rate reaches its floor when the budget runs out, whatever the step speed."""
-    start = time.monotonic()
-
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        frac = (step - warmup) / max(1, steps - warmup)
-        if max_minutes:
-            frac = max(frac, (time.monotonic() - start) / (60 * max_minutes))
-        frac = min(1.0, frac)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-
-    return f
-
-
 def _split_heldout(n: int, count: int) -> tuple[list[int], list[int]]:
     """A fixed (seed-independent) choice of `count` of n files (at most a quarter) held out for
     validation; (train, val)."""
@@ -255,7 +236,9 @@ def main(argv: list[str] | None = None) -> dict:
         weight_decay=args.weight_decay,
         betas=(0.8, 0.99),
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, budget_cosine_lambda(loop.steps, warmup, args.max_minutes))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, warmup_cosine_lambda(loop.steps, warmup, max_minutes=args.max_minutes)
+    )
     eval_kw = validation_hooks(val_items, args.eval_every)
     trainer = Trainer(
         device_model,
