@@ -10,6 +10,9 @@ from typing import Any
 
 from memfit.errors import UsageError, os_error_message
 
+UNTIL_BUDGET = 10**7
+"""``steps`` for a run that trains until its ``--max_minutes`` budget (no step count of its own)."""
+
 
 @dataclass
 class LoopConfig:
@@ -199,6 +202,16 @@ _RULES = {
     ">=0": (lambda v: v >= 0, ">= 0"),
     ">=1": (lambda v: v >= 1, ">= 1"),
 }
+
+
+def fill_from_recipe(args: argparse.Namespace, recipe: Any, keys: tuple[str, ...]) -> None:
+    """Set each flag in ``keys`` that the user left unset (None) to the recipe's value; with
+    ``--max_minutes`` and no ``--steps`` the run trains until its time budget (``UNTIL_BUDGET``)."""
+    if getattr(args, "steps", None) is None and getattr(args, "max_minutes", None):
+        args.steps = UNTIL_BUDGET
+    for key in keys:
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(recipe, key))
 
 
 def check_numbers(args: argparse.Namespace, **rules: str) -> None:

@@ -41,7 +41,7 @@ from memfit.checkpoint import (
 from memfit.config import config_dict, config_difference
 from memfit.distributed import init_distributed, resolve_device
 from memfit.errors import UsageError, os_error_message
-from memfit.flags import LoopConfig
+from memfit.flags import UNTIL_BUDGET, LoopConfig
 from memfit.memory import MIB, PeakMemory, training_state_tensors
 from memfit.metrics_log import MetricsLog
 from memfit.run_dir import RunFolder
@@ -80,10 +80,6 @@ def warmup_cosine_lambda(
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
-
-
-UNTIL_BUDGET = 10**7
-"""``steps`` for a run that trains until its ``--max_minutes`` budget (no step count of its own)."""
 
 
 def _of_steps(steps: int) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from memfit.config import overrides_from_args
-from memfit.loop import UNTIL_BUDGET
+from memfit.flags import fill_from_recipe
 from memfit.training import (
     Trainer,
     add_loop_args,
@@ -106,11 +106,8 @@ def apply_recipe(args: argparse.Namespace, name: str) -> Recipe:
     """Fill the flags left unset from the preset's recipe; with --max_minutes and no --steps, train until
     the time budget (the cosine schedule then follows the clock)."""
     recipe = RECIPES.get(name, Recipe())
-    if args.steps is None:
-        args.steps = UNTIL_BUDGET if args.max_minutes else recipe.steps
-    for key in ("batch_size", "num_sample_coords", "jitter", "lr", "warmup", "eval_every", "eval_images"):
-        if getattr(args, key) is None:
-            setattr(args, key, getattr(recipe, key))
+    keys = ("steps", "batch_size", "num_sample_coords", "jitter", "lr", "warmup", "eval_every", "eval_images")
+    fill_from_recipe(args, recipe, keys)
     return recipe
 
 

@@ -15,7 +15,8 @@ from dataclasses import fields, replace
 
 import numpy as np
 import torch
-from memfit.loop import UNTIL_BUDGET, warmup_cosine_lambda
+from memfit.flags import fill_from_recipe
+from memfit.loop import warmup_cosine_lambda
 from memfit.training import check_numbers, dist_info, resolve_device
 
 from mbsnet_speech.config import PRESETS, LossWeights, Recipe, get_config, recipe_for
@@ -107,12 +108,18 @@ def resolve_recipe(args: argparse.Namespace) -> Recipe:
                 file=sys.stderr,
             )
     recipe = recipe_for(args.config)
-    if args.steps is None and args.max_minutes:
-        args.steps = UNTIL_BUDGET  # until the time budget
-    keys = ("batch_size", "seconds", "lr", "steps", "amp", "threads", "noisy_phase", "eval_every")
-    for key in (*keys, "val_files"):
-        if getattr(args, key) is None:
-            setattr(args, key, getattr(recipe, key))
+    keys = (
+        "batch_size",
+        "seconds",
+        "lr",
+        "steps",
+        "amp",
+        "threads",
+        "noisy_phase",
+        "eval_every",
+        "val_files",
+    )
+    fill_from_recipe(args, recipe, keys)
     return recipe
 
 

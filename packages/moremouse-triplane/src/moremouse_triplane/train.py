@@ -18,7 +18,7 @@ import sys
 
 import torch
 from memfit.config import overrides_from_args
-from memfit.loop import UNTIL_BUDGET
+from memfit.flags import fill_from_recipe
 from memfit.training import (
     Trainer,
     add_loop_args,
@@ -99,12 +99,8 @@ def apply_recipe(args: argparse.Namespace) -> None:
     if args.config == "auto":
         on_gpu = resolve_device(args.device).type == "cuda"
         args.config = "tiny" if on_gpu else "cpu"
-    recipe = recipe_for(args.config)
-    if args.steps is None and args.max_minutes:
-        args.steps = UNTIL_BUDGET  # until the time budget
-    for key in ("lr", "batch_size", "steps", "warmup", "amp", "threads", "eval_every", "save_every"):
-        if getattr(args, key) is None:
-            setattr(args, key, getattr(recipe, key))
+    keys = ("lr", "batch_size", "steps", "warmup", "amp", "threads", "eval_every", "save_every")
+    fill_from_recipe(args, recipe_for(args.config), keys)
 
 
 def validation(source, args: argparse.Namespace):
