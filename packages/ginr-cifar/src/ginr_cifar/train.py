@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data", default=None, help="CIFAR-10 batches folder or ImageFolder tree (default: embedded)"
     )
-    add_model_args(p, PRESETS, "auto", help="preset (auto: balanced on CUDA, tiny on CPU)")
+    add_model_args(p, PRESETS, "auto", help="preset (auto: balanced on CUDA, the CPU recipe (cpu) otherwise)")
     p.add_argument("--decoder", choices=["attn", "ff", "xattn"], default=None, help="decoder variant")
     p.add_argument("--decoder_width", type=int, default=None)
     p.add_argument("--decoder_depth", type=int, default=None, help="decoder scales")
