@@ -62,7 +62,7 @@ def test_ginr_train_on_shared_cifar_folder(tmp_path):
     res = _train(
         tmp_path, "cifar", "--data", str(SHARED), "--steps", "2", "--max_images", "64", "--decoder", "xattn"
     )
-    assert res["step"] == 2 and "eval/holdout_psnr" in res
+    assert res["step"] == 2 and "eval/val_psnr" in res
     ckpt = load_checkpoint(tmp_path / "runs" / "ginr-cifar" / "cifar")
     assert ckpt["config"]["decoder"] == "xattn" and ckpt["meta"]["data"] == str(SHARED)
 

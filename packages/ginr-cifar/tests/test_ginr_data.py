@@ -46,6 +46,23 @@ def test_ginr_image_folder_roundtrip_and_split(tmp_path):
     assert set(tr.tolist()).isdisjoint(ho.tolist()) and len(tr) + len(ho) == 6
 
 
+def test_ginr_validation_is_carved_from_training_and_never_touches_the_holdout(tmp_path):
+    root = _folder(tmp_path, n=10)
+    tr, ho = holdout_split(10, 3)
+    tr2, val, ho2 = holdout_split(10, 3, val=2)
+    assert torch.equal(ho, ho2)  # the holdout is the same images with or without validation
+    assert set(tr2.tolist()) | set(val.tolist()) == set(tr.tolist()) and len(val) == 2
+    assert set(val.tolist()).isdisjoint(tr2.tolist())
+    split = {"holdout": 3, "val": 2}
+    parts = [load_split(root, s, **split).images for s in ("train", "val", "holdout")]
+    assert [len(p) for p in parts] == [5, 2, 3]
+    pixels = [{im.numpy().tobytes() for im in p} for p in parts]
+    assert not (pixels[0] & pixels[1] or pixels[0] & pixels[2] or pixels[1] & pixels[2])
+    assert torch.equal(parts[2], load_split(root, "holdout", holdout=3).images)
+    with pytest.raises(ValueError, match="lower --eval_images or --holdout"):
+        load_split(root, "train", holdout=3, val=7)
+
+
 def test_ginr_wrong_size_is_rejected(tmp_path):
     root = _folder(tmp_path)
     _write(root / "cat" / "big.png", size=(40, 32))

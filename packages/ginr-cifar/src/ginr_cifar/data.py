@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".gif", ".tif", ".tiff", ".webp")
-SPLITS = ("train", "holdout", "test", "all")
+SPLITS = ("train", "val", "holdout", "test", "all")
 SPLIT_SEED = 1234  # the held-out split never depends on the training seed
 
 
@@ -223,12 +223,32 @@ def _split_files(root: Path, split: str) -> list[Path]:
     return list_image_files(root)
 
 
-def holdout_split(n: int, holdout: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic (train_indices, holdout_indices) of range(n), independent of the training seed."""
+def holdout_split(n: int, holdout: int, val: int = 0) -> tuple[torch.Tensor, ...]:
+    """Deterministic (train_indices, holdout_indices) of range(n), independent of the training seed; with
+    ``val`` > 0, (train, val, holdout): ``val`` validation images carved from the training part, so that
+    choices made on validation (best.pt) never touch the holdout. The holdout is the same either way."""
     if not 0 <= holdout < n:
         raise ValueError(f"holdout {holdout} must be in [0, {n}) for a set of {n} images")
+    if not 0 <= val < n - holdout:
+        raise ValueError(
+            f"{val} validation images leave no training images ({n} images, {holdout} held out); "
+            "lower --eval_images or --holdout"
+        )
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED))
-    return perm[: n - holdout].sort().values, perm[n - holdout :].sort().values
+    train, ho = perm[: n - holdout], perm[n - holdout :].sort().values
+    if not val:
+        return train.sort().values, ho
+    return train[: len(train) - val].sort().values, train[len(train) - val :].sort().values, ho
+
+
+def _split_indices(n: int, split: str, holdout: int, val: int, max_images: int | None) -> torch.Tensor:
+    parts = holdout_split(n, holdout, val)
+    tr, ho = parts[0], parts[-1]
+    if split == "holdout":
+        return ho
+    if split == "val":
+        return parts[1] if val else tr[:0]
+    return tr[:max_images]
 
 
 def load_split(
@@ -237,11 +257,15 @@ def load_split(
     holdout: int = 500,
     max_images: int | None = None,
     size: int = 32,
+    val: int = 0,
     cache_dir: str | Path | None = None,
 ) -> ImageSet:
-    """Images of one split: "train" (minus the held-out images), "holdout", "test", or "all".
+    """Images of one split: "train" (minus the held-out and validation images), "val", "holdout", "test",
+    or "all".
 
-    The holdout is ``holdout`` images drawn from the training set with a fixed seed, never trained on.
+    The holdout is ``holdout`` images drawn from the training set with a fixed seed, never trained on;
+    "val" is ``val`` further images carved from the rest (for validation during training), and "train"
+    excludes both, so that validation choices never see the holdout.
     "test" is CIFAR-10's test batch or a folder's ``test/`` tree; "all" is every image under an image
     folder (any layout: an ImageFolder root, or plain files). ``max_images`` keeps the first images of
     the split (after the split, so the holdout is unchanged).
@@ -269,22 +293,14 @@ def load_split(
             files = _split_files(root, split)
             source = f"image folder {root} ({len(files)} files)"
             if split != "test":
-                files, images = _select_files(files, split, holdout, max_images), None
-                return ImageSet(load_image_files(files, size, cache_dir), source)
+                idx = _split_indices(len(files), split, holdout, val, max_images)
+                return ImageSet(load_image_files([files[i] for i in idx.tolist()], size, cache_dir), source)
             images = load_image_files(files[:max_images], size, cache_dir)
     if split != "test":
-        tr, ho = holdout_split(images.shape[0], holdout)
-        idx = ho if split == "holdout" else tr[:max_images]
-        images = images[idx]
+        images = images[_split_indices(images.shape[0], split, holdout, val, max_images)]
     elif max_images is not None:
         images = images[:max_images]
     return ImageSet(images.contiguous(), source)
-
-
-def _select_files(files: list[Path], split: str, holdout: int, max_images: int | None) -> list[Path]:
-    tr, ho = holdout_split(len(files), holdout)
-    idx = ho if split == "holdout" else tr[:max_images]
-    return [files[i] for i in idx.tolist()]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -184,11 +184,13 @@ def main(argv: list[str] | None = None) -> dict:
         split = pick_split(args.split, args.data, meta.get("data"))
         holdout = args.holdout if args.holdout is not None else int(meta.get("holdout", 500))
         cache = None if args.no_cache else args.cache_dir
-        images = load_split(data, split, holdout=holdout, max_images=args.num_images, cache_dir=cache).images
-        if split == "holdout" and args.num_images is not None:
+        val = int(meta.get("val", 0))  # the run's validation images, carved from its training part
+        kw = {"holdout": holdout, "val": val, "max_images": args.num_images, "cache_dir": cache}
+        images = load_split(data, split, **kw).images
+        if split in ("holdout", "val") and args.num_images is not None:
             images = images[: args.num_images]
         if len(images) == 0:
-            raise ValueError(f"split {split!r} is empty (holdout={holdout}); nothing to evaluate")
+            raise ValueError(f"split {split!r} is empty (holdout={holdout}, val={val}); nothing to evaluate")
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"ginr-eval: {e}") from None
 

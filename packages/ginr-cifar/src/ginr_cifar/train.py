@@ -63,15 +63,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
     p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=None, help="linear warmup steps before the cosine decay")
-    p.add_argument("--holdout", type=int, default=500, help="training images held out for evaluation")
+    p.add_argument(
+        "--holdout",
+        type=int,
+        default=500,
+        help="training images held out, unseen by training and validation (eval's default split)",
+    )
     p.add_argument("--max_images", type=int, default=None, help="use only the first N training images")
     p.add_argument(
         "--eval_every",
         type=int,
         default=None,
-        help="held-out PSNR every N steps, the best kept as best.pt (0: at the end; recipe's)",
+        help="validation PSNR every N steps, the best kept as best.pt (0: at the end; recipe's)",
     )
-    p.add_argument("--eval_images", type=int, default=None, help="held-out images in that PSNR (recipe's)")
+    p.add_argument(
+        "--eval_images",
+        type=int,
+        default=None,
+        help="validation images, carved from the training part (recipe's)",
+    )
     p.add_argument("--cache_dir", default=str(default_cache_dir()), help="decoded-image cache for folders")
     p.add_argument("--no_cache", action="store_true", help="decode image folders every time")
     p.add_argument("--profile", action="store_true", help="time encode vs decode, report memory, and exit")
@@ -177,23 +187,13 @@ def main(argv: list[str] | None = None) -> dict:
     loop = loop_config_from_args(args, system=SYSTEM_NAME)
     device = resolve_device(loop.device)
     try:
-        train_set = load_split(
-            args.data,
-            "train",
-            holdout=args.holdout,
-            max_images=args.max_images,
-            cache_dir=None if args.no_cache else args.cache_dir,
-        )
-        held = (
-            load_split(
-                args.data,
-                "holdout",
-                holdout=args.holdout,
-                cache_dir=None if args.no_cache else args.cache_dir,
-            )
-            if args.holdout
-            else None
-        )
+        cache = None if args.no_cache else args.cache_dir
+        # validation images come out of the training part, never out of the holdout: best.pt is chosen
+        # on them, and the holdout stays unseen by training and by every choice
+        n_val = args.eval_images
+        split = {"holdout": args.holdout, "val": n_val, "cache_dir": cache}
+        train_set = load_split(args.data, "train", max_images=args.max_images, **split)
+        val_set = load_split(args.data, "val", **split)
         if args.batch_size < 1:
             raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
         if not 1 <= args.num_sample_coords <= cfg.num_pixels:
@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"ginr-train: config {name} (decoder {cfg.decoder}, width {cfg.decoder_width}), "
         f"{model.num_params() / 1e6:.2f}M params; {len(train_set)} training images from {train_set.source}"
-        + (f"; {len(held)} held out" if held is not None else ""),
+        + f", {len(val_set)} more for validation"
+        + (f"; {args.holdout} held out, unseen" if args.holdout else ""),
         file=sys.stderr,
     )
     images = train_set.images
@@ -238,10 +239,10 @@ def main(argv: list[str] | None = None) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, warmup_cosine_lambda(loop.steps, min(args.warmup, loop.steps), max_minutes=loop.max_minutes)
     )
-    eval_imgs = held.images[: args.eval_images] if held is not None else None
+    eval_imgs = val_set.images
 
     def eval_fn(m: GINR) -> dict[str, float]:
-        return {"holdout_psnr": evaluate_psnr(m, eval_imgs)}
+        return {"val_psnr": evaluate_psnr(m, eval_imgs)}
 
     trainer = Trainer(
         model,
@@ -252,18 +253,18 @@ def main(argv: list[str] | None = None) -> dict:
         scheduler=sched,
         eval_fn=eval_fn if eval_imgs is not None and len(eval_imgs) else None,
         eval_every=args.eval_every,
-        best_metric="holdout_psnr",
+        best_metric="val_psnr",
         config=cfg,
-        meta={"preset": name, "data": args.data, "holdout": args.holdout},
+        meta={"preset": name, "data": args.data, "holdout": args.holdout, "val": n_val},
         items_per_step=args.batch_size * args.grad_accum,
         system=SYSTEM_NAME,
     )
     result = trainer.fit()
-    if "eval/holdout_psnr" in result:
+    if "eval/val_psnr" in result:
         baseline = mean_colour_psnr(eval_imgs)
         print(
-            f"held-out PSNR {result['eval/holdout_psnr']:.2f} dB on {len(eval_imgs)} images, best "
-            f"{result['best/holdout_psnr']:.2f} dB at step {result['best_step']} (best.pt; "
+            f"validation PSNR {result['eval/val_psnr']:.2f} dB on {len(eval_imgs)} images, best "
+            f"{result['best/val_psnr']:.2f} dB at step {result['best_step']} (best.pt; "
             f"mean-colour baseline {baseline:.2f} dB)"
         )
         result["mean_colour_psnr"] = baseline
