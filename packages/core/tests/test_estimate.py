@@ -576,3 +576,37 @@ def _load(spec):
     from memfit.estimate import _load_callable
 
     return _load_callable(spec)
+
+
+def test_fast_fake_tensors_carry_what_fake_tensor_mode_gives_them():
+    """memory._new_fake builds FakeTensors without FakeTensor.__new__: same attributes, values, device."""
+    import memfit.memory as mm
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    with fake_mode() as mode:
+        elem = torch.empty_strided((2, 3), (3, 1), device="meta")
+        ours, theirs = (
+            mm._new_fake(mode, elem, torch.device("cpu")),
+            FakeTensor(mode, elem, torch.device("cpu")),
+        )
+        assert ours.__dict__ == theirs.__dict__
+        assert (ours.device, ours.shape, ours.stride(), torch._C._dispatch_keys(ours)) == (
+            theirs.device,
+            theirs.shape,
+            theirs.stride(),
+            torch._C._dispatch_keys(theirs),
+        )
+
+
+def test_compiled_code_under_the_tracker_runs_eagerly():
+    """The tracker keeps TorchDispatchMode's dynamo guard: torch.compile inside an estimate or a
+    measurement runs eagerly instead of compiling the tracker's own frames."""
+    import memfit.memory as mm
+    import torch._dynamo.utils
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    f = torch.compile(lambda x: (x * 2).sin().sum(), backend="eager")
+    with mm.measure_peak() as m:
+        f(torch.randn(100))
+    assert m.peak_bytes == 3 * 400 and not torch._dynamo.utils.counters["frames"]

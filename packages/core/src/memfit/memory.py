@@ -236,13 +236,6 @@ class _StorageTracker(TorchDispatchMode):
         self.live -= entry[0]
         self.by_category[entry[1]] -= entry[0]
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # TorchDispatchMode wraps __torch_dispatch__ in torch._dynamo.disable unless this is False: two
-        # Python frames and eval-frame switches per op (5% of an estimate). Nothing runs compiled code
-        # under this mode (estimates and CPU measurements run eager steps).
-        return False
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _PRIM_DEVICE or id(func) in _QUERY_IDS:  # no tensor made; 2/3 of a step's calls
             return _query(func, args, kwargs)
