@@ -610,3 +610,19 @@ def test_compiled_code_under_the_tracker_runs_eagerly():
     with mm.measure_peak() as m:
         f(torch.randn(100))
     assert m.peak_bytes == 3 * 400 and not torch._dynamo.utils.counters["frames"]
+
+
+def test_fast_fake_path_does_not_remember_outputs_that_view_part_of_a_storage():
+    """hann_window(400) returns 400 values of a 401-value storage: built from metadata it would lose 4
+    bytes, so its key stays on FakeTensorMode's path."""
+    import memfit.memory as mm
+
+    with fake_mode():
+        tracker = mm._StorageTracker(fake=True)
+        with tracker:
+            w, e = torch.hann_window(400), torch.empty(400)
+            assert mm._spare_storage(w) and not mm._spare_storage(e)
+            assert tracker.live == 1604 + 1600
+            for key, meta in mm._OUT_META.items():
+                if key[0] == id(torch.ops.aten.hann_window.default):
+                    assert meta is mm._UNCACHED

@@ -504,11 +504,21 @@ def _remember(kind: str, out, args, kwargs, found: list, before: list) -> Any:
         return "out" if kwargs and out is kwargs.get("out") else _UNCACHED
     meta = _out_meta(out)
     outs = _tensors(out)
-    if meta is None or not outs or any(t.constant is not None for t in outs):
-        return _UNCACHED  # (a constant-folded output would lose its value when built from metadata)
+    if meta is None or not outs or any(t.constant is not None or _spare_storage(t) for t in outs):
+        # a constant-folded output would lose its value when built from metadata, and an output that views
+        # part of a larger storage (hann_window: 401 values, 400 shown) its spare bytes
+        return _UNCACHED
     # an output on an input's storage (an op without alias annotation that aliases) is not fresh
     inputs = {id(t.untyped_storage()) for t in found}
     return _UNCACHED if any(id(t.untyped_storage()) in inputs for t in outs) else meta
+
+
+def _spare_storage(t: torch.Tensor) -> bool:
+    """True when t's storage holds more bytes than t reaches (it views part of it)."""
+    reach = 0
+    if t.numel():
+        reach = t.storage_offset() + 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() != reach * t.element_size()
 
 
 def _tensors(x) -> list[torch.Tensor]:
