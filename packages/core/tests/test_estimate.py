@@ -614,15 +614,14 @@ def test_compiled_code_under_the_tracker_runs_eagerly():
 
 def test_fast_fake_path_does_not_remember_outputs_that_view_part_of_a_storage():
     """hann_window(400) returns 400 values of a 401-value storage: built from metadata it would lose 4
-    bytes, so its key stays on FakeTensorMode's path."""
+    bytes, so its key stays on FakeTensorMode's path (here without FakeTensorMode's own cache, which
+    has that loss: mbsnet's figures are 4 bytes lower once a hann_window ran in the process)."""
     import memfit.memory as mm
 
-    with fake_mode():
+    with fake_mode() as mode:
+        mode.cache_enabled = False
         tracker = mm._StorageTracker(fake=True)
         with tracker:
-            w, e = torch.hann_window(400), torch.empty(400)
-            assert mm._spare_storage(w) and not mm._spare_storage(e)
-            assert tracker.live == 1604 + 1600
-            for key, meta in mm._OUT_META.items():
-                if key[0] == id(torch.ops.aten.hann_window.default):
-                    assert meta is mm._UNCACHED
+            windows, e = [torch.hann_window(400) for _ in range(2)], torch.empty(400)
+            assert mm._spare_storage(windows[1]) and not mm._spare_storage(e)
+            assert tracker.live == 2 * 1604 + 1600
