@@ -625,3 +625,17 @@ def test_fast_fake_path_does_not_remember_outputs_that_view_part_of_a_storage():
             windows, e = [torch.hann_window(400) for _ in range(2)], torch.empty(400)
             assert mm._spare_storage(windows[1]) and not mm._spare_storage(e)
             assert tracker.live == 2 * 1604 + 1600
+
+
+def test_cpu_measurement_follows_storages_resized_in_place():
+    """FSDP2 frees and re-gathers parameters with UntypedStorage.resize_: the tracker follows it."""
+    from memfit.memory import measure_peak
+
+    with measure_peak() as m:
+        t = torch.empty(1000)  # 4000 B
+        t.untyped_storage().resize_(0)  # freed in place
+        u = torch.empty(1500)  # 6000 B: the peak, had the resize not been followed it would be 10000
+        del u
+        t.untyped_storage().resize_(800)  # 800 B back: live ends at 800 + 5200
+        v = torch.empty(1300)  # noqa: F841  5200 B
+    assert m.peak_bytes == 6000 and m._tracker.live == 6000
