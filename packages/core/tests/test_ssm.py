@@ -241,11 +241,9 @@ def test_fake_tensor_path_allocates_like_the_real_one(layout, kernels):
             super().__init__(fake)
             self.sizes = set()
 
-        def track(self, t, category=None):
-            st = self._storage(t)
-            if st is not None and st not in self._entries:
-                self.sizes.add(st.nbytes())
-            super().track(t, category)
+        def _new_entry(self, st, t, category):  # called once per storage the tracker starts counting
+            self.sizes.add(st.nbytes())
+            return super()._new_entry(st, t, category)
 
     def run_step(fake):
         inputs = make_inputs(batch=2, dim=16, L=70, N=8, layout=layout, dtype=torch.float32)

@@ -128,13 +128,13 @@ class TraceTracker(_StorageTracker):
         for a in args:
             if isinstance(a, torch.Tensor):
                 st = self._storage(a)
-                self.src = None if st is None else self._entries.get(st)
+                self.src = None if st is None else self.entry(st)
                 break
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         st = self._storage(t)
-        entry = None if st is None else self._entries.get(st)
+        entry = None if st is None else self.entry(st)
         if entry is not None:
             entry[SAVED] = True
         return t
