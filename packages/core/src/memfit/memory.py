@@ -733,6 +733,11 @@ def fake_mode() -> Iterator[Any]:
     log.setLevel(logging.CRITICAL)
     try:
         with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            # FakeTensorMode's op cache is shared by every mode in the process, and a hit returns a tensor
+            # without the spare bytes of its storage (hann_window(400) lives in 401 values): with it, an
+            # estimate depended by a few bytes on what ran before it in the process. Our own fast path
+            # memoises the hot ops, so the cache buys no measurable speed here.
+            mode.cache_enabled = False
             yield mode
     finally:
         log.setLevel(level)
