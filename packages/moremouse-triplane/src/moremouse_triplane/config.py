@@ -40,6 +40,14 @@ class TriplaneConfig:
     # also feed the decoder the input image's colour where each sample point projects into the input
     # view, and the point's depth there (PixelNeRF-style): what the camera saw lines up with 3D at once
     pixel_features: bool = False
+    # with pixel_features: also sample this many channels of a small CNN's feature map of the input image
+    # (0: rgb + depth only). Features with context say what surface a pixel shows and, with the point's
+    # depth, whether the point is in front of it, on it or behind it: what rgb alone cannot tell
+    view_features: int = 0
+    # with pixel_features: > 0 makes points empty where the input view sees background (every channel
+    # within `carve` of white), one view's visual hull on a white background; the decoder runs only on
+    # the points inside it (0: off, the decoder decides everywhere)
+    carve: float = 0.0
     decoder_layers: int = 2  # hidden layers of the MLP
     samples_per_ray: int = 128
     bbox: float = 1.0  # scene lives in [-bbox, bbox]^3
@@ -64,6 +72,10 @@ class TriplaneConfig:
             (self.combine in ("concat", "sum"), f"combine must be 'concat' or 'sum', got {self.combine!r}"),
             (self.samples_per_ray >= 2, "samples_per_ray must be >= 2"),
             (self.render_chunk >= 1, "render_chunk must be >= 1"),
+            (self.view_features >= 0, "view_features must be >= 0"),
+            (self.pixel_features or not self.view_features, "view_features needs pixel_features"),
+            (0.0 <= self.carve < 1.0, "carve must be in [0, 1)"),
+            (self.pixel_features or not self.carve, "carve needs pixel_features"),
         ]
         for ok, msg in checks:
             if not ok:

@@ -190,7 +190,7 @@ class TriplaneDecoder(nn.Module):
         self, feats: torch.Tensor, extra: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """feats (B, P, 3, C) -> sigma (B, P) >= 0, rgb (B, P, 3) in (0, 1); with `extra`, sample_view's
-        features (B, P, 1, 4) (rgb, depth): the decoder reads them and its colour corrects their rgb.
+        features (B, P, 1, E) (rgb, ..., depth): the decoder reads them and its colour corrects their rgb.
 
         A plain method over F.linear, not submodule calls: the renderer calls it once per ray chunk, and
         PyTorch's MemTracker (behind memfit's estimator) refuses modules entered several times per step.
@@ -214,20 +214,51 @@ class TriplaneDecoder(nn.Module):
         return self.decode(feats, extra)
 
 
-PIXEL_FEATURES = 4  # what sample_view adds per point: rgb seen by the input camera + depth in it
+PIXEL_FEATURES = 4  # what sample_view adds per point from the input image alone: rgb seen there + depth
 
 
 def sample_view(image: torch.Tensor, K: torch.Tensor, c2w: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
-    """What the input camera saw where points project: image (B, 3, H, W), K (B, 3, 3), c2w (B, 4, 4),
-    points (B, P, 3) -> (B, P, 1, 4): rgb there (white outside the image) and the depth (z) in the camera."""
+    """What the input camera saw where points project: image (B, 3 + F, H, W) (rgb, then F optional
+    feature channels), K (B, 3, 3), c2w (B, 4, 4), points (B, P, 3) -> (B, P, 1, 3 + F + 1): rgb there
+    (white outside the image), the features there (0 outside) and the point's depth (z) in the camera."""
     H, W = image.shape[-2:]
     cam = (pts - c2w[:, None, :3, 3]) @ c2w[:, :3, :3]  # world -> camera (OpenCV)
     z = cam[..., 2].clamp(min=1e-3)
     u = K[:, None, 0, 0] * cam[..., 0] / z + K[:, None, 0, 2]
     v = K[:, None, 1, 1] * cam[..., 1] / z + K[:, None, 1, 2]
     grid = torch.stack([u / W * 2 - 1, v / H * 2 - 1], dim=-1)[:, None].to(image.dtype)  # (B, 1, P, 2)
-    rgb = F.grid_sample(image - 1.0, grid, mode="bilinear", align_corners=False)[:, :, 0] + 1.0  # (B, 3, P)
-    return torch.cat([rgb.transpose(1, 2), cam[..., 2:3].to(rgb.dtype)], dim=-1)[:, :, None, :]
+    white = torch.zeros_like(image[:1, :, :1, :1])
+    white[:, :3] = 1.0  # sample image - white with zero padding, add white back: outside reads white rgb
+    feats = F.grid_sample(image - white, grid, mode="bilinear", align_corners=False)[:, :, 0] + white[..., 0]
+    return torch.cat([feats.transpose(1, 2), cam[..., 2:3].to(feats.dtype)], dim=-1)[:, :, None, :]
+
+
+def carved_field(
+    decoder: TriplaneDecoder,
+    planes: torch.Tensor,
+    view: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    pts: torch.Tensor,
+    bbox: float,
+    carve: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The field at points (B, P, 3), empty wherever the input view sees background (within `carve` of
+    white in every channel) there: on a white background, what the input camera sees through an empty
+    pixel is empty (one view's visual hull). Only the points inside the hull go through the decoder."""
+    B, P, _ = pts.shape
+    with torch.no_grad():
+        seen = sample_view(view[0][:, :3], view[1], view[2], pts)[..., 0, :3].float()
+        keep = (1.0 - seen).amax(dim=-1) > carve  # (B, P)
+    feats, extra = [], []
+    for b in range(B):  # a different number of points per scene: sample each scene's planes apart
+        p = pts[b][keep[b]][None]
+        feats.append(sample_triplane(planes[b : b + 1], p, bbox)[0])
+        extra.append(sample_view(view[0][b : b + 1], view[1][b : b + 1], view[2][b : b + 1], p)[0])
+    f = torch.cat(feats)
+    s, c = decoder.decode(f, torch.cat(extra).to(f.dtype))
+    # masked_scatter fills the kept points in row-major order: scene by scene, as they were gathered
+    sigma = s.new_zeros(B, P).masked_scatter(keep, s)
+    rgb = c.new_ones(B, P, 3).masked_scatter(keep[..., None].expand(B, P, 3), c)
+    return sigma, rgb
 
 
 def render_triplane(
@@ -242,12 +273,16 @@ def render_triplane(
     chunk: int | None = None,
     use_checkpoint: bool = False,
     view: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    carve: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Volume-render triplanes (B, 3, C, H, W) along rays (B, R, 3) -> rgb (B, R, 3), opacity (B, R).
 
-    view = (input image, K, c2w): the decoder also reads sample_view's features of each point."""
+    view = (input image, K, c2w): the decoder also reads sample_view's features of each point; with
+    carve > 0 too, points the input view sees as background are empty (carved_field)."""
 
     def field(pts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if view is not None and carve > 0:
+            return carved_field(decoder, planes, view, pts, bbox, carve)
         feats = sample_triplane(planes, pts, bbox)
         if view is not None:
             return decoder.decode(feats, sample_view(*view, pts).to(feats.dtype))
