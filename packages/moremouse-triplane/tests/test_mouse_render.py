@@ -192,3 +192,31 @@ def test_carving_empties_what_the_input_view_sees_as_background_and_keeps_the_re
     torch.testing.assert_close(rgb[~background], ref_rgb[~background])
     (g,) = torch.autograd.grad(sigma.sum(), planes)
     assert torch.isfinite(g).all() and g.abs().sum() > 0
+
+
+def test_hull_bounds_cover_every_point_the_carving_keeps():
+    """hull_bounds narrows each ray to the part inside the input view's hull: of the points that
+    carving keeps on a dense (1024-point) march, all but slivers of the silhouette's faint
+    anti-aliased fringe (measured: 0.07%) lie inside it; rays with none get an empty interval."""
+    from moremouse_triplane.data import SyntheticScenes
+    from moremouse_triplane.render import hull_bounds, sample_view
+
+    src = SyntheticScenes(32)
+    images = torch.stack([src.input_image(1), src.input_image(2)])
+    K, c2w = src.K.expand(2, 3, 3), src.input_c2w.expand(2, 4, 4)
+    o, d = image_rays(src.K, look_at(orbit_eye(150.0, 30.0, 2.3)), 32, 32)
+    o, d = o.expand(2, -1, -1), d.expand(2, -1, -1)
+    near, far = ray_box(o, d, 1.0)
+    lo, hi = hull_bounds((images, K, c2w), 0.01, 64)(o, d, near, far)
+    assert ((lo >= near - 1e-6) & (hi <= far + 1e-6) & (hi >= lo)).all()
+    t = near[..., None] + (far - near)[..., None] * (torch.arange(1024) + 0.5) / 1024
+    pts = o[..., None, :] + t[..., None] * d[..., None, :]
+    seen = sample_view(images, K, c2w, pts.reshape(2, -1, 3))[..., 0, :3].reshape(2, 1024, 1024, 3)
+    kept = (1 - seen).amax(-1) > 0.01
+    inside = (t >= lo[..., None] - 1e-5) & (t <= hi[..., None] + 1e-5)
+    missed = kept & ~inside
+    assert kept.any() and missed.sum() < 2e-3 * kept.sum()
+    assert ((1 - seen[missed]).amax(-1) < 0.05).all()  # only the faint edge of the silhouette
+    empty = ~kept.any(-1)
+    assert empty.any() and (hi[empty] - lo[empty] < (far - near)[empty] / 64 + 1e-6).all()
+    assert ((hi - lo)[~empty] / (far - near)[~empty]).mean() < 0.6  # samples go where the mouse may be

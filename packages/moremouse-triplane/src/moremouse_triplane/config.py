@@ -48,6 +48,9 @@ class TriplaneConfig:
     # within `carve` of white), one view's visual hull on a white background; the decoder runs only on
     # the points inside it (0: off, the decoder decides everywhere)
     carve: float = 0.0
+    # with carve: probe each ray at this many points for the hull first and spread samples_per_ray
+    # samples over the part inside it, not over the whole box (0: the whole box)
+    hull_probes: int = 0
     decoder_layers: int = 2  # hidden layers of the MLP
     samples_per_ray: int = 128
     bbox: float = 1.0  # scene lives in [-bbox, bbox]^3
@@ -76,6 +79,7 @@ class TriplaneConfig:
             (self.pixel_features or not self.view_features, "view_features needs pixel_features"),
             (0.0 <= self.carve < 1.0, "carve must be in [0, 1)"),
             (self.pixel_features or not self.carve, "carve needs pixel_features"),
+            (self.hull_probes >= 0 and (self.carve or not self.hull_probes), "hull_probes needs carve > 0"),
         ]
         for ok, msg in checks:
             if not ok:

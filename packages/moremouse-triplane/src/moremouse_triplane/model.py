@@ -241,6 +241,7 @@ class TriplaneGenerator(nn.Module):
             use_checkpoint=c.render_checkpoint,
             view=view if c.pixel_features else None,
             carve=c.carve,
+            hull_probes=c.hull_probes,
         )
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

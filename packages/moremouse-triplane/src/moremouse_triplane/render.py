@@ -17,6 +17,8 @@ from torch import nn
 
 # field(points (B, P, 3)) -> (sigma (B, P), rgb (B, P, 3))
 Field = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# bounds(rays_o, rays_d, near, far) -> the part (near, far) of each ray (B, R) worth sampling
+Bounds = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # ----------------------------------------------------------------------------------------------------
 # Cameras and rays
@@ -110,9 +112,12 @@ def _render_chunk(
     jitter: torch.Tensor | None,
     n_samples: int,
     bbox: float,
+    bounds: Bounds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, R, _ = rays_o.shape
     near, far = ray_box(rays_o, rays_d, bbox)
+    if bounds is not None:
+        near, far = bounds(rays_o, rays_d, near, far)
     delta = (far - near) / n_samples  # equal bins between entry and exit; 0 for rays that miss
     u = torch.arange(n_samples, device=rays_o.device, dtype=rays_o.dtype) + 0.5
     u = u.expand(B, R, n_samples) if jitter is None else u - 0.5 + jitter.to(rays_o.dtype)
@@ -132,10 +137,12 @@ def render_rays(
     jitter: torch.Tensor | None = None,
     chunk: int | None = None,
     use_checkpoint: bool = False,
+    bounds: Bounds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Render rays (B, R, 3) through a field -> rgb (B, R, 3), opacity (B, R).
 
-    Samples are stratified in n_samples equal bins between box entry and exit: at bin centres, or at
+    Samples are stratified in n_samples equal bins between box entry and exit (or the narrower
+    interval that `bounds` gives, outside which the field must be empty): at bin centres, or at
     bin start + jitter (B, R, S) in [0, 1). Rays go through the field `chunk` per image at a time; with
     use_checkpoint each chunk is recomputed in backward, so training memory is one chunk's, not all rays'.
     """
@@ -145,7 +152,7 @@ def render_rays(
     for i in range(0, R, chunk):
         sl = slice(i, min(i + chunk, R))
         jit = None if jitter is None else jitter[:, sl]
-        args = (field, rays_o[:, sl], rays_d[:, sl], jit, n_samples, bbox)
+        args = (field, rays_o[:, sl], rays_d[:, sl], jit, n_samples, bbox, bounds)
         c, a = checkpointed(_render_chunk, *args, enabled=use_checkpoint)
         colors.append(c)
         accs.append(a)
@@ -261,6 +268,32 @@ def carved_field(
     return sigma, rgb
 
 
+def hull_bounds(view: tuple[torch.Tensor, torch.Tensor, torch.Tensor], carve: float, probes: int) -> Bounds:
+    """Bounds for carved_field: probe each ray at `probes` bin centres between near and far and keep
+    the interval from half a bin before the first point the input view does not see as background to
+    a bin and a half after the last; a ray with no such point gets an empty interval (it is white).
+    The renderer's samples then all fall where the field can be non-zero."""
+
+    @torch.no_grad()
+    def bounds(
+        rays_o: torch.Tensor, rays_d: torch.Tensor, near: torch.Tensor, far: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        B, R, _ = rays_o.shape
+        step = (far - near) / probes
+        t = near[..., None] + step[..., None] * (torch.arange(probes, device=near.device) + 0.5)
+        pts = (rays_o[..., None, :] + t[..., None] * rays_d[..., None, :]).reshape(B, R * probes, 3)
+        seen = sample_view(view[0][:, :3], view[1], view[2], pts)[..., 0, :3].float()
+        keep = ((1.0 - seen).amax(dim=-1) > carve).reshape(B, R, probes)
+        idx = torch.arange(probes, device=near.device).expand_as(keep)
+        first = torch.where(keep, idx, probes).amin(dim=-1)
+        last = torch.where(keep, idx, -1).amax(dim=-1)
+        lo = torch.minimum(torch.maximum(near + (first - 0.5) * step, near), far)
+        hi = torch.maximum(torch.minimum(near + (last + 1.5) * step, far), lo)
+        return lo, hi
+
+    return bounds
+
+
 def render_triplane(
     decoder: TriplaneDecoder,
     planes: torch.Tensor,
@@ -274,11 +307,13 @@ def render_triplane(
     use_checkpoint: bool = False,
     view: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     carve: float = 0.0,
+    hull_probes: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Volume-render triplanes (B, 3, C, H, W) along rays (B, R, 3) -> rgb (B, R, 3), opacity (B, R).
 
     view = (input image, K, c2w): the decoder also reads sample_view's features of each point; with
-    carve > 0 too, points the input view sees as background are empty (carved_field)."""
+    carve > 0 too, points the input view sees as background are empty (carved_field), and with
+    hull_probes > 0 the samples are spread over the part of each ray inside that hull (hull_bounds)."""
 
     def field(pts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if view is not None and carve > 0:
@@ -297,4 +332,7 @@ def render_triplane(
         jitter=jitter,
         chunk=chunk,
         use_checkpoint=use_checkpoint,
+        bounds=hull_bounds(view, carve, hull_probes)
+        if view is not None and carve > 0 and hull_probes
+        else None,
     )

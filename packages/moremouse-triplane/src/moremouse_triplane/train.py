@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="override the preset: points the input view sees as background (within this of white) are empty",
     )
     p.add_argument(
+        "--hull_probes",
+        type=int,
+        default=None,
+        help="override the preset: with --carve, probe rays at N points and sample only inside the hull",
+    )
+    p.add_argument(
         "--global_context",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -147,6 +153,7 @@ def config_from_args(args: argparse.Namespace) -> TriplaneConfig:
         "pixel_features",
         "view_features",
         "carve",
+        "hull_probes",
     )
     fields = {k: k for k in names}
     overrides = overrides_from_args(args, {**fields, "checkpointing": "checkpoint"})
