@@ -92,5 +92,6 @@ def test_cpu_recipe_renders_with_the_input_view_through_train_and_eval(tmp_path)
     run = tmp_path / "moremouse-triplane" / "cpu"
     cfg = load_checkpoint(run / "best.pt")["config"]
     assert out["step"] == 2 and cfg["pixel_features"] and cfg["global_context"]
+    assert cfg["view_features"] == 32 and cfg["carve"] > 0
     res = mouse_eval.main(["--run", str(run), "--num_scenes", "1", "--device", "cpu"])
     assert res["views"] == 4 and 5.0 < res["psnr"] < 60.0

@@ -76,7 +76,29 @@ def test_pluggable_encoder_and_pixelshuffle_upsampler():
     assert model.transformer.blocks[0].xattn is not None
 
 
+def test_view_features_reach_the_decoder_and_learn():
+    """With view_features the decoder reads a CNN feature map of the input image where each point
+    projects: it changes what is rendered, and the CNN gets gradients from the ray loss."""
+    torch.manual_seed(0)
+    cfg = get_config("cpu", view_features=8)
+    model = build_model(cfg)
+    assert model.decoder.layers[0].in_features == 3 * cfg.out_channels + 4 + 8
+    b = random_batch(cfg, 2, torch.device("cpu"))
+    loss = model.loss(b)
+    loss.backward()
+    grads = [p.grad for p in model.view_encoder.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert sum(g.abs().sum() for g in grads) > 0
+    with torch.no_grad():
+        model.view_encoder.out_global.bias.add_(1.0)
+        assert model.loss(b) != loss
+
+
 def test_config_errors_are_clear():
+    with pytest.raises(ValueError, match="view_features needs pixel_features"):
+        get_config("tiny", view_features=8)
+    with pytest.raises(ValueError, match="carve needs pixel_features"):
+        get_config("tiny", carve=0.01)
     with pytest.raises(ValueError, match="attention"):
         TriplaneConfig(attention="flash3")
     with pytest.raises(ValueError, match="patch_size"):

@@ -142,21 +142,28 @@ class MouseField:
         return occ.amax(dim=-1) * self.SIGMA_MAX, self._shade(qk, k)
 
     def cast(self, rays_o: torch.Tensor, rays_d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Exact first hit of rays (..., 3) with the ellipsoids -> rgb on white (..., 3), hit mask (...)."""
+        """Exact first hit of rays (..., 3) with the ellipsoids -> rgb on white (..., 3), hit mask (...).
+
+        Ray o + t d meets ellipsoid k where a t^2 + b t + c = 0 with a = |d / r_k|^2,
+        b = 2 (o - c_k) / r_k . d / r_k, c = |(o - c_k) / r_k|^2 - 1: each term is a sum over the three
+        axes, i.e. a (rays, 3) @ (3, parts) product, so no (rays, parts, 3) tensor is ever built (in
+        float64: expanding |o - c_k|^2 cancels digits that float32 does not have).
+        """
         o = (rays_o - self.offset) @ self.rot
         d = rays_d @ self.rot
-        oq = (o[..., None, :] - self.centres) / self.radii  # (..., K, 3)
-        dq = d[..., None, :] / self.radii
-        a, b, c = (dq * dq).sum(-1), 2 * (oq * dq).sum(-1), (oq * oq).sum(-1) - 1
+        o64, d64 = o.double(), d.double()
+        w = self.radii.T.double().reciprocal().square()  # (3, K): 1 / r^2
+        wc = self.centres.T.double() * w  # (3, K): c / r^2
+        a = (d64 * d64) @ w
+        b = 2.0 * ((o64 * d64) @ w - d64 @ wc)
+        c = (o64 * o64) @ w - 2.0 * (o64 @ wc) + (self.centres.T.double() * wc).sum(0) - 1.0
         disc = b * b - 4 * a * c
-        t = (-b - disc.clamp(min=0).sqrt()) / (2 * a)
+        t = ((-b - disc.clamp(min=0).sqrt()) / (2 * a)).to(o.dtype)
         t = torch.where((disc >= 0) & (t > 0), t, torch.full_like(t, float("inf")))
         t_hit, k = t.min(dim=-1)
         hit = torch.isfinite(t_hit)
         t_hit = torch.where(hit, t_hit, torch.zeros_like(t_hit))
-        q = torch.gather(oq + t_hit[..., None, None] * dq, -2, k[..., None, None].expand(*k.shape, 1, 3))[
-            ..., 0, :
-        ]
+        q = (o + t_hit[..., None] * d - self.centres[k]) / self.radii[k]  # the hit on part k's unit sphere
         rgb = torch.where(hit[..., None], self._shade(q, k), torch.ones_like(q))
         return rgb, hit
 

@@ -147,6 +147,31 @@ class Upsampler(nn.Module):
         return y.view(B, three, *y.shape[1:])
 
 
+class ViewEncoder(nn.Module):
+    """A small CNN: input image (B, 3, H, W) -> per-pixel features (B, dim, H, W) for sample_view.
+
+    Three scales (full, 1/2, 1/4 resolution) summed back at full resolution, plus the image mean of the
+    coarsest: each pixel's feature sees its neighbourhood and the whole mouse (pose, size, where it is).
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, dim, 3, padding=1)
+        self.conv2 = nn.Conv2d(dim, 2 * dim, 3, stride=2, padding=1)
+        self.conv3 = nn.Conv2d(2 * dim, 2 * dim, 3, stride=2, padding=1)
+        self.out1, self.out2 = nn.Conv2d(dim, dim, 1), nn.Conv2d(2 * dim, dim, 1)
+        self.out3, self.out_global = nn.Conv2d(2 * dim, dim, 1), nn.Linear(2 * dim, dim)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        h1 = F.silu(self.conv1(images * 2.0 - 1.0))
+        h2 = F.silu(self.conv2(h1))
+        h3 = F.silu(self.conv3(h2))
+        size = images.shape[-2:]
+        y = self.out1(h1) + F.interpolate(self.out2(h2), size=size, mode="bilinear", align_corners=False)
+        y = y + F.interpolate(self.out3(h3), size=size, mode="bilinear", align_corners=False)
+        return y + self.out_global(h3.mean(dim=(2, 3)))[:, :, None, None]
+
+
 class TriplaneGenerator(nn.Module):
     """Input image (B, 3, H, W) -> triplanes (B, 3, out_channels, 2R, 2R); render() turns them into pixels."""
 
@@ -163,7 +188,8 @@ class TriplaneGenerator(nn.Module):
         )
         self.transformer = TriplaneTransformer(cfg, context_dim=self.encoder.out_dim)
         self.upsampler = Upsampler(cfg)
-        extra = PIXEL_FEATURES if cfg.pixel_features else 0
+        self.view_encoder = ViewEncoder(cfg.view_features) if cfg.view_features else None
+        extra = PIXEL_FEATURES + cfg.view_features if cfg.pixel_features else 0
         self.decoder = TriplaneDecoder(
             cfg.out_channels, cfg.decoder_hidden, cfg.decoder_layers, cfg.combine, extra=extra
         )
@@ -201,6 +227,8 @@ class TriplaneGenerator(nn.Module):
         c = self.cfg
         if c.pixel_features and (view is None or view[1] is None or view[2] is None):
             raise ValueError("pixel_features: render needs the input view (image, K, c2w)")
+        if c.pixel_features and self.view_encoder is not None:  # sample the CNN's features with the rgb
+            view = (torch.cat([view[0], self.view_encoder(view[0]).to(view[0].dtype)], dim=1), *view[1:])
         return render_triplane(
             self.decoder,
             planes,
@@ -212,6 +240,8 @@ class TriplaneGenerator(nn.Module):
             chunk=c.render_chunk,
             use_checkpoint=c.render_checkpoint,
             view=view if c.pixel_features else None,
+            carve=c.carve,
+            hull_probes=c.hull_probes,
         )
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

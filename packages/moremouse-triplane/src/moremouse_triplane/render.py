@@ -17,6 +17,8 @@ from torch import nn
 
 # field(points (B, P, 3)) -> (sigma (B, P), rgb (B, P, 3))
 Field = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# bounds(rays_o, rays_d, near, far) -> the part (near, far) of each ray (B, R) worth sampling
+Bounds = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # ----------------------------------------------------------------------------------------------------
 # Cameras and rays
@@ -110,9 +112,12 @@ def _render_chunk(
     jitter: torch.Tensor | None,
     n_samples: int,
     bbox: float,
+    bounds: Bounds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, R, _ = rays_o.shape
     near, far = ray_box(rays_o, rays_d, bbox)
+    if bounds is not None:
+        near, far = bounds(rays_o, rays_d, near, far)
     delta = (far - near) / n_samples  # equal bins between entry and exit; 0 for rays that miss
     u = torch.arange(n_samples, device=rays_o.device, dtype=rays_o.dtype) + 0.5
     u = u.expand(B, R, n_samples) if jitter is None else u - 0.5 + jitter.to(rays_o.dtype)
@@ -132,10 +137,12 @@ def render_rays(
     jitter: torch.Tensor | None = None,
     chunk: int | None = None,
     use_checkpoint: bool = False,
+    bounds: Bounds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Render rays (B, R, 3) through a field -> rgb (B, R, 3), opacity (B, R).
 
-    Samples are stratified in n_samples equal bins between box entry and exit: at bin centres, or at
+    Samples are stratified in n_samples equal bins between box entry and exit (or the narrower
+    interval that `bounds` gives, outside which the field must be empty): at bin centres, or at
     bin start + jitter (B, R, S) in [0, 1). Rays go through the field `chunk` per image at a time; with
     use_checkpoint each chunk is recomputed in backward, so training memory is one chunk's, not all rays'.
     """
@@ -145,7 +152,7 @@ def render_rays(
     for i in range(0, R, chunk):
         sl = slice(i, min(i + chunk, R))
         jit = None if jitter is None else jitter[:, sl]
-        args = (field, rays_o[:, sl], rays_d[:, sl], jit, n_samples, bbox)
+        args = (field, rays_o[:, sl], rays_d[:, sl], jit, n_samples, bbox, bounds)
         c, a = checkpointed(_render_chunk, *args, enabled=use_checkpoint)
         colors.append(c)
         accs.append(a)
@@ -190,7 +197,7 @@ class TriplaneDecoder(nn.Module):
         self, feats: torch.Tensor, extra: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """feats (B, P, 3, C) -> sigma (B, P) >= 0, rgb (B, P, 3) in (0, 1); with `extra`, sample_view's
-        features (B, P, 1, 4) (rgb, depth): the decoder reads them and its colour corrects their rgb.
+        features (B, P, 1, E) (rgb, ..., depth): the decoder reads them and its colour corrects their rgb.
 
         A plain method over F.linear, not submodule calls: the renderer calls it once per ray chunk, and
         PyTorch's MemTracker (behind memfit's estimator) refuses modules entered several times per step.
@@ -214,20 +221,77 @@ class TriplaneDecoder(nn.Module):
         return self.decode(feats, extra)
 
 
-PIXEL_FEATURES = 4  # what sample_view adds per point: rgb seen by the input camera + depth in it
+PIXEL_FEATURES = 4  # what sample_view adds per point from the input image alone: rgb seen there + depth
 
 
 def sample_view(image: torch.Tensor, K: torch.Tensor, c2w: torch.Tensor, pts: torch.Tensor) -> torch.Tensor:
-    """What the input camera saw where points project: image (B, 3, H, W), K (B, 3, 3), c2w (B, 4, 4),
-    points (B, P, 3) -> (B, P, 1, 4): rgb there (white outside the image) and the depth (z) in the camera."""
+    """What the input camera saw where points project: image (B, 3 + F, H, W) (rgb, then F optional
+    feature channels), K (B, 3, 3), c2w (B, 4, 4), points (B, P, 3) -> (B, P, 1, 3 + F + 1): rgb there
+    (white outside the image), the features there (0 outside) and the point's depth (z) in the camera."""
     H, W = image.shape[-2:]
     cam = (pts - c2w[:, None, :3, 3]) @ c2w[:, :3, :3]  # world -> camera (OpenCV)
     z = cam[..., 2].clamp(min=1e-3)
     u = K[:, None, 0, 0] * cam[..., 0] / z + K[:, None, 0, 2]
     v = K[:, None, 1, 1] * cam[..., 1] / z + K[:, None, 1, 2]
     grid = torch.stack([u / W * 2 - 1, v / H * 2 - 1], dim=-1)[:, None].to(image.dtype)  # (B, 1, P, 2)
-    rgb = F.grid_sample(image - 1.0, grid, mode="bilinear", align_corners=False)[:, :, 0] + 1.0  # (B, 3, P)
-    return torch.cat([rgb.transpose(1, 2), cam[..., 2:3].to(rgb.dtype)], dim=-1)[:, :, None, :]
+    white = torch.zeros_like(image[:1, :, :1, :1])
+    white[:, :3] = 1.0  # sample image - white with zero padding, add white back: outside reads white rgb
+    feats = F.grid_sample(image - white, grid, mode="bilinear", align_corners=False)[:, :, 0] + white[..., 0]
+    return torch.cat([feats.transpose(1, 2), cam[..., 2:3].to(feats.dtype)], dim=-1)[:, :, None, :]
+
+
+def carved_field(
+    decoder: TriplaneDecoder,
+    planes: torch.Tensor,
+    view: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    pts: torch.Tensor,
+    bbox: float,
+    carve: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The field at points (B, P, 3), empty wherever the input view sees background (within `carve` of
+    white in every channel) there: on a white background, what the input camera sees through an empty
+    pixel is empty (one view's visual hull). Only the points inside the hull go through the decoder."""
+    B, P, _ = pts.shape
+    with torch.no_grad():
+        seen = sample_view(view[0][:, :3], view[1], view[2], pts)[..., 0, :3].float()
+        keep = (1.0 - seen).amax(dim=-1) > carve  # (B, P)
+    feats, extra = [], []
+    for b in range(B):  # a different number of points per scene: sample each scene's planes apart
+        p = pts[b][keep[b]][None]
+        feats.append(sample_triplane(planes[b : b + 1], p, bbox)[0])
+        extra.append(sample_view(view[0][b : b + 1], view[1][b : b + 1], view[2][b : b + 1], p)[0])
+    f = torch.cat(feats)
+    s, c = decoder.decode(f, torch.cat(extra).to(f.dtype))
+    # masked_scatter fills the kept points in row-major order: scene by scene, as they were gathered
+    sigma = s.new_zeros(B, P).masked_scatter(keep, s)
+    rgb = c.new_ones(B, P, 3).masked_scatter(keep[..., None].expand(B, P, 3), c)
+    return sigma, rgb
+
+
+def hull_bounds(view: tuple[torch.Tensor, torch.Tensor, torch.Tensor], carve: float, probes: int) -> Bounds:
+    """Bounds for carved_field: probe each ray at `probes` bin centres between near and far and keep
+    the interval from half a bin before the first point the input view does not see as background to
+    a bin and a half after the last; a ray with no such point gets an empty interval (it is white).
+    The renderer's samples then all fall where the field can be non-zero."""
+
+    @torch.no_grad()
+    def bounds(
+        rays_o: torch.Tensor, rays_d: torch.Tensor, near: torch.Tensor, far: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        B, R, _ = rays_o.shape
+        step = (far - near) / probes
+        t = near[..., None] + step[..., None] * (torch.arange(probes, device=near.device) + 0.5)
+        pts = (rays_o[..., None, :] + t[..., None] * rays_d[..., None, :]).reshape(B, R * probes, 3)
+        seen = sample_view(view[0][:, :3], view[1], view[2], pts)[..., 0, :3].float()
+        keep = ((1.0 - seen).amax(dim=-1) > carve).reshape(B, R, probes)
+        idx = torch.arange(probes, device=near.device).expand_as(keep)
+        first = torch.where(keep, idx, probes).amin(dim=-1)
+        last = torch.where(keep, idx, -1).amax(dim=-1)
+        lo = torch.minimum(torch.maximum(near + (first - 0.5) * step, near), far)
+        hi = torch.maximum(torch.minimum(near + (last + 1.5) * step, far), lo)
+        return lo, hi
+
+    return bounds
 
 
 def render_triplane(
@@ -242,12 +306,18 @@ def render_triplane(
     chunk: int | None = None,
     use_checkpoint: bool = False,
     view: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    carve: float = 0.0,
+    hull_probes: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Volume-render triplanes (B, 3, C, H, W) along rays (B, R, 3) -> rgb (B, R, 3), opacity (B, R).
 
-    view = (input image, K, c2w): the decoder also reads sample_view's features of each point."""
+    view = (input image, K, c2w): the decoder also reads sample_view's features of each point; with
+    carve > 0 too, points the input view sees as background are empty (carved_field), and with
+    hull_probes > 0 the samples are spread over the part of each ray inside that hull (hull_bounds)."""
 
     def field(pts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if view is not None and carve > 0:
+            return carved_field(decoder, planes, view, pts, bbox, carve)
         feats = sample_triplane(planes, pts, bbox)
         if view is not None:
             return decoder.decode(feats, sample_view(*view, pts).to(feats.dtype))
@@ -262,4 +332,7 @@ def render_triplane(
         jitter=jitter,
         chunk=chunk,
         use_checkpoint=use_checkpoint,
+        bounds=hull_bounds(view, carve, hull_probes)
+        if view is not None and carve > 0 and hull_probes
+        else None,
     )

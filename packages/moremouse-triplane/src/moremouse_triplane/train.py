@@ -76,6 +76,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="override the preset: the decoder also reads the input image where points project",
     )
     p.add_argument(
+        "--view_features",
+        type=int,
+        default=None,
+        help="override the preset: channels of a CNN feature map of the input image sampled with its rgb",
+    )
+    p.add_argument(
+        "--carve",
+        type=float,
+        default=None,
+        help="override the preset: points the input view sees as background (within this of white) are empty",
+    )
+    p.add_argument(
+        "--hull_probes",
+        type=int,
+        default=None,
+        help="override the preset: with --carve, probe rays at N points and sample only inside the hull",
+    )
+    p.add_argument(
         "--global_context",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -127,7 +145,16 @@ def validation(source, args: argparse.Namespace):
 
 
 def config_from_args(args: argparse.Namespace) -> TriplaneConfig:
-    names = ("rays_per_scene", "samples_per_ray", "attention", "global_context", "pixel_features")
+    names = (
+        "rays_per_scene",
+        "samples_per_ray",
+        "attention",
+        "global_context",
+        "pixel_features",
+        "view_features",
+        "carve",
+        "hull_probes",
+    )
     fields = {k: k for k in names}
     overrides = overrides_from_args(args, {**fields, "checkpointing": "checkpoint"})
     try:
