@@ -124,6 +124,7 @@ class LossWeights:
     pha: float = 0.3
     time: float = 0.2
     stft: float = 0.0
+    sisdr: float = 0.0  # weight of -SI-SDR in dB (so ~0.01 makes it comparable to the others)
 
 
 def get_config(name: str, **overrides: Any) -> MBSNetConfig:
