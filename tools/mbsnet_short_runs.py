@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--remix", action="store_true")
     ap.add_argument("--snr", type=float, nargs=2, default=(-5.0, 15.0), help="remix SNR range (dB)")
     ap.add_argument("--expand", type=float, default=1.0)
+    ap.add_argument("--energy", action="store_true", help="band log energy as an extra input feature")
     a = ap.parse_args()
     torch.set_num_threads(1)
     weights = LossWeights(**json.loads(a.loss)) if a.loss else LossWeights()
@@ -67,6 +68,7 @@ def main() -> None:
         hop=a.hop,
         temporal_bidirectional=a.bidir,
         expand=a.expand,
+        band_energy=a.energy,
     )
     torch.manual_seed(0)
     model = MBSNet(cfg)

@@ -28,6 +28,7 @@ class MBSNetConfig:
     expand: float = 1.5
     temporal_bidirectional: bool = False  # False: frame t sees frames <= t only (streamable)
     crossband_bidirectional: bool = False  # bands have no "future"; the seed ran both directions
+    band_energy: bool = False  # also feed each band's log energy per frame (the LayerNorm removes it)
     # heads: 0 = a single linear per band (ours); > 0 = the seed's per-band MLP with this hidden width
     head_hidden: int = 0
     dual_branch: bool = False  # the seed: separate magnitude and phase encoders
