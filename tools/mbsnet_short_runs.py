@@ -1,7 +1,7 @@
 """Short CPU runs that chose mbsnet-speech's CPU recipe: a CPU-time budget, scored on held-out TRAIN files.
 
     uv run python tools/mbsnet_short_runs.py --name base --minutes 4 [--channels 48] [--lr 4e-3]
-        [--hop 200] [--bidir] [--noisy_phase] [--loss '{"pha": 0.0}'] [--remix]
+        [--hop 200] [--bidir] [--noisy_phase] [--loss '{"pha": 0.0, "sisdr": 0.02}'] [--remix] [--energy]
 
 One thread; the budget is process CPU time (so other jobs on the machine do not change the step count
 much); the validation set is 24 files carved from speech-tts's train split with a fixed seed (the test
