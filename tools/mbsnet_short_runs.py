@@ -1,13 +1,13 @@
 """Short CPU runs that chose mbsnet-speech's CPU recipe: a CPU-time budget, scored on held-out TRAIN files.
 
     uv run python tools/mbsnet_short_runs.py --name base --minutes 4 [--channels 48] [--lr 4e-3]
-        [--hop 200] [--bidir] [--noisy_phase] [--loss '{"pha": 0.0}'] [--remix]
+        [--hop 200] [--bidir] [--noisy_phase] [--loss '{"pha": 0.0, "sisdr": 0.02}'] [--remix] [--energy]
 
 One thread; the budget is process CPU time (so other jobs on the machine do not change the step count
 much); the validation set is 24 files carved from speech-tts's train split with a fixed seed (the test
 split is never read); prints one RESULT line with PESQ-wb / STOI / SI-SDR noisy -> enhanced.
---remix mixes a clean file with another pair's noise (noisy - clean) at -5..15 dB instead of the
-fixed pairs.
+--remix mixes a clean file with another pair's noise (noisy - clean) at --snr (-5..15 dB) instead of
+the fixed pairs (mbsnet_speech.data.PairRemix).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from mbsnet_speech.config import LossWeights, get_config
-from mbsnet_speech.data import PairFolder, find_pairs, folder_batch, mix, pair_rng
+from mbsnet_speech.data import PairFolder, PairRemix, find_pairs, folder_batch, mix_batch, pair_rng
 from mbsnet_speech.enhance import enhance_array, model_fn
 from mbsnet_speech.losses import enhancement_loss
 from mbsnet_speech.metrics import pesq_score, si_sdr, stoi_score
@@ -29,27 +29,6 @@ from mbsnet_speech.model import MBSNet, count_params
 from mbsnet_speech.train import freeze_phase_head
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "speech-tts"
-
-
-def remix_batch(pf: PairFolder, batch: int, crop: int, rng: np.random.Generator):
-    noisy, clean = np.zeros((batch, crop), np.float32), np.zeros((batch, crop), np.float32)
-    for b in range(batch):
-        c, _ = pf.load(int(rng.integers(len(pf))))
-        c2, n2 = pf.load(int(rng.integers(len(pf))))
-        nz = n2 - c2
-        if len(c) > crop:
-            s = int(rng.integers(len(c) - crop + 1))
-            c = c[s : s + crop]
-        c = np.pad(c, (0, crop - len(c)))
-        if len(nz) >= crop:
-            s = int(rng.integers(len(nz) - crop + 1))
-            nz = nz[s : s + crop]
-        else:
-            nz = np.resize(nz, crop)
-        y = mix(c, nz, rng.uniform(-5, 15))
-        g = rng.uniform(0.1, 0.9) / (np.abs(y).max() + 1e-8)
-        noisy[b], clean[b] = y * g, c * g
-    return noisy, clean
 
 
 def main() -> None:
@@ -69,6 +48,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--loss", default="", help='LossWeights as JSON, e.g. {"pha": 0.0}')
     ap.add_argument("--remix", action="store_true")
+    ap.add_argument("--snr", type=float, nargs=2, default=(-5.0, 15.0), help="remix SNR range (dB)")
+    ap.add_argument("--expand", type=float, default=1.0)
+    ap.add_argument("--energy", action="store_true", help="band log energy as an extra input feature")
     a = ap.parse_args()
     torch.set_num_threads(1)
     weights = LossWeights(**json.loads(a.loss)) if a.loss else LossWeights()
@@ -76,6 +58,7 @@ def main() -> None:
     perm = np.random.default_rng(0).permutation(len(pairs))
     val_idx, tr_idx = perm[:24], perm[24:]
     tr = PairFolder(pairs.root, [pairs.clean[i] for i in tr_idx], [pairs.noisy[i] for i in tr_idx])
+    remix = PairRemix(tr, tuple(a.snr))
     cfg = get_config(
         "cpu",
         channels=a.channels,
@@ -84,6 +67,8 @@ def main() -> None:
         d_state=a.d_state,
         hop=a.hop,
         temporal_bidirectional=a.bidir,
+        expand=a.expand,
+        band_energy=a.energy,
     )
     torch.manual_seed(0)
     model = MBSNet(cfg)
@@ -99,7 +84,7 @@ def main() -> None:
             g["lr"] = a.lr * min(1.0, (step + 1) / (warmup + 1)) * cosine
         rng = pair_rng(0, step, 0)
         noisy, clean = (
-            remix_batch(tr, a.batch, crop, rng) if a.remix else folder_batch(tr, a.batch, crop, rng)
+            mix_batch(remix, a.batch, crop, rng)[:2] if a.remix else folder_batch(tr, a.batch, crop, rng)
         )
         loss, parts = enhancement_loss(model, (torch.from_numpy(noisy), torch.from_numpy(clean)), weights)
         loss.backward()

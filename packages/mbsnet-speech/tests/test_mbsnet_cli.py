@@ -57,7 +57,15 @@ def test_train_on_voicebank_folder(tmp_path, make_voicebank, capsys):
         [*TINY, "--steps", "1", "--data", str(root), "--runs_dir", str(tmp_path), "--run_name", "vb"]
     )
     assert np.isfinite(out["loss"])
-    capsys.readouterr()
+    assert "remixed: speech x noise of other pairs at -5..15 dB" in capsys.readouterr().err
+    fixed = [*TINY, "--steps", "1", "--data", str(root), "--no-remix", "--snr", "0", "5"]
+    train.main([*fixed, "--runs_dir", str(tmp_path), "--run_name", "fixed"])
+    assert "remixed" not in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        train.main(
+            [*TINY, "--steps", "1", "--data", str(root), "--snr", "15", "-5", "--runs_dir", str(tmp_path)]
+        )
+    assert e.value.code == 2 and "MIN <= MAX" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         train.main(
             [*TINY, "--steps", "1", "--data", str(tmp_path / "nothing_here"), "--runs_dir", str(tmp_path)]

@@ -4,6 +4,7 @@ import soundfile as sf
 from mbsnet_speech.data import (
     MIX_NOISE_KINDS,
     MixSource,
+    PairRemix,
     audio_files,
     find_pairs,
     folder_batch,
@@ -103,6 +104,42 @@ def test_on_the_fly_mix_hits_the_requested_snr(tmp_path, speech):
         other = mix_batch(src, 16, 8000, pair_rng(0, 4))
         assert np.array_equal(noisy, again[0])  # deterministic per (seed, step): resume is exact
         assert not np.array_equal(noisy, other[0])  # a new mix every step
+
+
+def test_pair_remix_mixes_speech_with_other_pairs_noise_at_the_requested_snr(tmp_path, speech):
+    """--data with --remix: the clean crop of one pair plus the noise (noisy - clean) of a random pair at a
+    random SNR: every combination of speech and noise occurs, and the mix hits its SNR within 0.1 dB."""
+    clean, _, fs = speech
+    t = np.arange(16000) / fs
+    for split in ("clean_train", "noisy_train"):
+        (tmp_path / split).mkdir()
+    for j in range(3):  # pair j: its own speech, and a tone at 300 (j + 1) Hz as its noise
+        c = clean[j * 14000 : j * 14000 + 16000]
+        sf.write(tmp_path / "clean_train" / f"p{j}.wav", c, fs, subtype="FLOAT")
+        tone = 0.1 * np.sin(2 * np.pi * 300 * (j + 1) * t).astype(np.float32)
+        sf.write(tmp_path / "noisy_train" / f"p{j}.wav", c + tone, fs, subtype="FLOAT")
+    pairs = find_pairs(tmp_path, split="train")
+    src = PairRemix(pairs, snr=(-5.0, 15.0))
+    noisy, cl, snr = mix_batch(src, 32, 8000, pair_rng(0, 1))
+    assert noisy.shape == cl.shape == (32, 8000) and noisy.dtype == np.float32
+    assert np.all(np.abs(_realised_snr(noisy, cl) - snr) < 0.1)
+    assert np.all((snr >= -5) & (snr <= 15)) and snr.std() > 2
+    assert np.abs(noisy).max() <= 0.9 + 1e-6
+    combos = set()
+    for b in range(32):
+        spec = np.abs(np.fft.rfft(noisy[b] - cl[b]))
+        noise_pair = round(np.argmax(spec) * fs / 8000 / 300) - 1  # which pair's tone
+        scores = [  # which pair's speech: the crop is a scaled window of it
+            np.max(np.abs(np.correlate(pairs.load(j)[0], cl[b] / np.linalg.norm(cl[b]))))
+            / np.linalg.norm(pairs.load(j)[0])
+            for j in range(3)
+        ]
+        combos.add((int(np.argmax(scores)), noise_pair))
+    assert len(combos) >= 7  # of the 9 speech x noise combinations, not just the 3 fixed pairs
+    again = mix_batch(src, 32, 8000, pair_rng(0, 1))
+    assert np.array_equal(noisy, again[0])
+    with pytest.raises(ValueError, match="MIN <= MAX"):
+        PairRemix(pairs, snr=(15.0, -5.0))
 
 
 def test_builtin_noise_kinds_are_unit_power_and_distinct():

@@ -61,12 +61,19 @@ def test_cpu_recipe_on_speech_tts_reaches_the_goal(tmp_path):
         ["--ckpt", str(tmp_path / "mbsnet-speech" / "tts"), "--data", str(SPEECH_TTS), "--out", str(out)]
     )
     _report("speech-tts test split", t_train, s)
+    per_kind = json.loads((out / "metrics.json").read_text())["per_noise_kind"]
+    for kind, d in per_kind.items():
+        print(
+            f"{kind:>7} (n={d['n']}): PESQ-wb {d['noisy/pesq_wb']:.3f} -> {d['enhanced/pesq_wb']:.3f} "
+            f"(Wiener {d['classical/pesq_wb']:.3f}); STOI {d['noisy/stoi']:.3f} -> {d['enhanced/stoi']:.3f} "
+            f"(Wiener {d['classical/stoi']:.3f}); "
+            f"SI-SDR {d['noisy/si_sdr']:.2f} -> {d['enhanced/si_sdr']:.2f}"
+        )
     assert s["n_ok"] == 64 and s["n_failed"] == 0
     assert s["delta/pesq_wb"] >= 0.60
     assert s["delta/stoi"] >= 0.01
     assert s["delta/si_sdr"] > 0
     assert s["enhanced/pesq_wb"] >= s["classical/pesq_wb"] + 0.20
-    per_kind = json.loads((out / "metrics.json").read_text())["per_noise_kind"]
     assert len(per_kind) == 5 and all(
         d["enhanced/pesq_wb"] > d["noisy/pesq_wb"] for d in per_kind.values()
     ), per_kind

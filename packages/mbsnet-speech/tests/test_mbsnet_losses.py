@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 from mbsnet_speech.config import LossWeights, tiny_config
-from mbsnet_speech.losses import anti_wrapping, complex_loss, enhancement_loss, phase_loss, stft_loss
+from mbsnet_speech.losses import (
+    anti_wrapping,
+    complex_loss,
+    enhancement_loss,
+    neg_si_sdr,
+    phase_loss,
+    stft_loss,
+)
 from mbsnet_speech.model import MBSNet
 
 PI = math.pi
@@ -44,13 +51,25 @@ def test_stft_loss_by_hand():
     torch.testing.assert_close(stft_loss(2 * wav, wav), torch.tensor(1 + math.log(2)), rtol=1e-4, atol=1e-4)
 
 
+def test_neg_si_sdr_by_hand():
+    ref = torch.tensor([[1.0, -1.0, 1.0, -1.0]])  # zero mean
+    noise = torch.tensor([[1.0, 1.0, -1.0, -1.0]])  # zero mean, orthogonal to ref
+    # est = 3 ref + noise: the projection is 3 ref (energy 36), the residual the noise (energy 4)
+    torch.testing.assert_close(neg_si_sdr(3 * ref + noise, ref), torch.tensor(-10 * math.log10(36 / 4)))
+    # scale- and offset-invariant: 0.5 ref + 2 scores as ref itself (a very large SI-SDR)
+    assert float(neg_si_sdr(0.5 * ref + 2, ref)) < -60
+    # batch mean
+    two = neg_si_sdr(torch.cat([3 * ref + noise, ref + noise]), torch.cat([ref, ref]))
+    torch.testing.assert_close(two, torch.tensor(-(10 * math.log10(9) + 10 * math.log10(1)) / 2))
+
+
 def test_enhancement_loss_weights_and_terms():
     torch.manual_seed(0)
     model = MBSNet(tiny_config())
     noisy, clean = torch.randn(2, 1600) * 0.1, torch.randn(2, 1600) * 0.05
-    w = LossWeights(mag=0.9, com=0.1, pha=0.3, time=0.2, stft=0.5)
+    w = LossWeights(mag=0.9, com=0.1, pha=0.3, time=0.2, stft=0.5, sisdr=0.01)
     loss, parts = enhancement_loss(model, (noisy, clean), w)
-    assert set(parts) == {"mag", "com", "pha", "time", "stft"}
+    assert set(parts) == {"mag", "com", "pha", "time", "stft", "sisdr"}
     want = sum(getattr(w, k) * float(v) for k, v in parts.items())
     assert float(loss.detach()) == pytest.approx(want, rel=1e-5)
     # each term is what its own function gives on the model's output
@@ -59,6 +78,7 @@ def test_enhancement_loss_weights_and_terms():
         mag, pha = model.stft(clean)
     assert float(parts["mag"]) == pytest.approx(float(torch.mean((out.mag - mag) ** 2)), rel=1e-5)
     assert float(parts["time"]) == pytest.approx(float(torch.mean(torch.abs(out.wav - clean))), rel=1e-5)
+    assert float(parts["sisdr"]) == pytest.approx(float(neg_si_sdr(out.wav, clean)), rel=1e-5)
     # a zero weight drops its term
     _, parts = enhancement_loss(model, (noisy, clean), LossWeights(stft=0.0, pha=0.0))
     assert set(parts) == {"mag", "com", "time"}

@@ -4,7 +4,7 @@ import pytest
 import torch
 from mbsnet_speech.baselines import SeedMamba, materialising_scan
 from mbsnet_speech.config import band_widths, default_config, seed_config, tiny_config
-from mbsnet_speech.model import MBSNet, count_params, overlap_add_istft
+from mbsnet_speech.model import BandSplit, MBSNet, count_params, overlap_add_istft
 
 pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba block) is not installed yet")
 
@@ -21,6 +21,19 @@ def test_band_split_covers_every_bin_once():
         w = band_widths(n_bins, k)
         assert len(w) == k and sum(w) == n_bins and min(w) >= 1
     assert band_widths(257, 30)[:10] == [3] * 10  # fine resolution at low frequencies
+
+
+def test_band_energy_gives_the_encoder_the_level_the_layernorm_removes():
+    torch.manual_seed(0)
+    widths = band_widths(257, 12)
+    x = torch.randn(1, 257, 5, 2)
+    louder = x.clone()
+    louder[:, :, 2] *= 10  # frame 2 ten times louder, same spectral shape
+    plain, energy = BandSplit(widths, 8), BandSplit(widths, 8, energy=True)
+    torch.testing.assert_close(plain(louder), plain(x), rtol=1e-4, atol=1e-4)  # the level is lost
+    a, b = energy(x), energy(louder)
+    frames_differ = (a - b).abs().amax(dim=(0, 1, 3))
+    assert frames_differ[2] > 1e-2 and frames_differ[[0, 1, 3, 4]].max() < 1e-5  # only frame 2, per frame
 
 
 def test_forward_shapes_and_gradients():

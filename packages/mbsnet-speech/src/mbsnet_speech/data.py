@@ -353,6 +353,12 @@ def audio_files(d: str | Path, what: str) -> list[Path]:
     return files
 
 
+def _check_snr(snr: tuple[float, float]) -> None:
+    lo, hi = snr
+    if lo > hi:
+        raise ValueError(f"--snr MIN MAX needs MIN <= MAX, got {lo:g} > {hi:g}; swap them")
+
+
 @dataclass
 class MixSource:
     """Clean utterances mixed with noise files (or the built-in kinds) at SNRs in snr (dB)."""
@@ -362,9 +368,35 @@ class MixSource:
     snr: tuple[float, float] = (-5.0, 15.0)
 
     def __post_init__(self) -> None:
-        lo, hi = self.snr
-        if lo > hi:
-            raise ValueError(f"--snr MIN MAX needs MIN <= MAX, got {lo:g} > {hi:g}; swap them")
+        _check_snr(self.snr)
+
+    def clean_clip(self, rng: np.random.Generator) -> np.ndarray:
+        return _load_cached(str(self.clean[int(rng.integers(len(self.clean)))]))
+
+    def noise_clip(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        if self.noise:
+            return _crop_or_tile(_load_cached(str(self.noise[int(rng.integers(len(self.noise)))])), n, rng)
+        return make_noise(MIX_NOISE_KINDS[int(rng.integers(len(MIX_NOISE_KINDS)))], n, rng)
+
+
+@dataclass
+class PairRemix:
+    """Dynamic remixing of fixed noisy/clean pairs: the clean speech of one pair with the noise
+    (noisy - clean) of another, at a random SNR in snr (dB). 440 fixed pairs become ~190,000 speech x
+    noise combinations at any SNR and gain, so a model cannot memorise them."""
+
+    pairs: PairFolder
+    snr: tuple[float, float] = (-5.0, 15.0)
+
+    def __post_init__(self) -> None:
+        _check_snr(self.snr)
+
+    def clean_clip(self, rng: np.random.Generator) -> np.ndarray:
+        return self.pairs.load(int(rng.integers(len(self.pairs))))[0]
+
+    def noise_clip(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        clean, noisy = self.pairs.load(int(rng.integers(len(self.pairs))))
+        return _crop_or_tile(noisy - clean, n, rng)
 
 
 def _crop_or_tile(x: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -376,25 +408,21 @@ def _crop_or_tile(x: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray
 
 
 def mix_batch(
-    src: MixSource, batch: int, crop: int, rng: np.random.Generator
+    src: MixSource | PairRemix, batch: int, crop: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(noisy, clean, snr_db) float32 (batch, crop), (batch,): a random crop of a random clean file
-    (zero-padded when shorter) plus noise at a random SNR over the crop, both scaled by one random gain
-    (peak of the mix 0.1..0.9, so nothing clips and the realised SNR is the requested one)."""
+    """(noisy, clean, snr_db) float32 (batch, crop), (batch,): a random crop of a random clean clip
+    (zero-padded when shorter) plus a noise clip at a random SNR over the crop, both scaled by one random
+    gain (peak of the mix 0.1..0.9, so nothing clips and the realised SNR is the requested one)."""
     noisy = np.zeros((batch, crop), np.float32)
     clean = np.zeros((batch, crop), np.float32)
     snrs = rng.uniform(*src.snr, size=batch).astype(np.float32)
     for b in range(batch):
-        c = _load_cached(str(src.clean[int(rng.integers(len(src.clean)))]))
+        c = src.clean_clip(rng)
         if len(c) > crop:
             s = int(rng.integers(len(c) - crop + 1))
             c = c[s : s + crop]
         c = np.pad(c, (0, crop - len(c)))
-        if src.noise:
-            nz = _crop_or_tile(_load_cached(str(src.noise[int(rng.integers(len(src.noise)))])), crop, rng)
-        else:
-            nz = make_noise(MIX_NOISE_KINDS[int(rng.integers(len(MIX_NOISE_KINDS)))], crop, rng)
-        y = mix(c, nz, float(snrs[b]))
+        y = mix(c, src.noise_clip(crop, rng), float(snrs[b]))
         gain = rng.uniform(0.1, 0.9) / (np.max(np.abs(y)) + 1e-8)
         noisy[b], clean[b] = y * gain, c * gain
     return noisy, clean, snrs

@@ -7,6 +7,8 @@
 - ``time``: L1 of the waveforms
 - ``stft``: multi-resolution STFT loss (Parallel WaveGAN): spectral convergence + L1 of log magnitudes
   at three window sizes, on the waveform the model outputs
+- ``sisdr``: negative scale-invariant SDR of the waveforms in dB (Le Roux et al. 2019), as
+  time-domain separation and enhancement models train (Conv-TasNet, DEMUCS variants)
 
 The weights live in ``LossWeights`` (config.py); a zero weight skips its term.
 """
@@ -58,6 +60,17 @@ def stft_loss(wav_hat: torch.Tensor, wav: torch.Tensor, resolutions=STFT_RESOLUT
     return total / len(resolutions)
 
 
+def neg_si_sdr(wav_hat: torch.Tensor, wav: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """-SI-SDR in dB, mean over the batch: the target projected on the zero-mean reference, over the
+    residual; (B, T) each."""
+    est = wav_hat.float() - wav_hat.float().mean(-1, keepdim=True)
+    ref = wav.float() - wav.float().mean(-1, keepdim=True)
+    scale = (est * ref).sum(-1, keepdim=True) / (ref.pow(2).sum(-1, keepdim=True) + eps)
+    target = scale * ref
+    ratio = target.pow(2).sum(-1) / ((est - target).pow(2).sum(-1) + eps)
+    return -(10 * torch.log10(ratio + eps)).mean()
+
+
 def enhancement_loss(model, batch: tuple[torch.Tensor, torch.Tensor], weights: LossWeights | None = None):
     """batch = (noisy, clean) (B, T) -> (weighted loss, {term: value}) for every term with a weight."""
     w = weights or LossWeights()
@@ -77,5 +90,7 @@ def enhancement_loss(model, batch: tuple[torch.Tensor, torch.Tensor], weights: L
         terms["time"] = F.l1_loss(out.wav.float(), clean.float())
     if w.stft:
         terms["stft"] = stft_loss(out.wav, clean)
+    if w.sisdr:
+        terms["sisdr"] = neg_si_sdr(out.wav, clean)
     loss = sum(getattr(w, k) * v for k, v in terms.items())
     return loss, {k: v.detach() for k, v in terms.items()}

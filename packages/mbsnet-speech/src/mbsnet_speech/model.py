@@ -52,20 +52,27 @@ def _mamba_config(cfg: MBSNetConfig):
 
 class BandSplit(nn.Module):
     """(B, F, T, 2) compressed complex spectrum -> (B, K, T, C): per band, LayerNorm over its bins
-    (per frame, so it stays causal) and a Linear to C channels."""
+    (per frame, so it stays causal) and a Linear to C channels.
 
-    def __init__(self, widths: list[int], channels: int) -> None:
+    The per-frame LayerNorm removes the band's level in that frame; with `energy` the band's log energy
+    (a quarter of the natural log of the mean squared compressed value) goes in beside it, so the model
+    can tell a quiet, noise-only frame from a loud one as a Wiener filter does."""
+
+    def __init__(self, widths: list[int], channels: int, energy: bool = False) -> None:
         super().__init__()
-        self.widths = widths
+        self.widths, self.energy = widths, energy
         self.norms = nn.ModuleList(nn.LayerNorm(2 * w) for w in widths)
-        self.projs = nn.ModuleList(nn.Linear(2 * w, channels) for w in widths)
+        self.projs = nn.ModuleList(nn.Linear(2 * w + int(energy), channels) for w in widths)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, _, T, _ = x.shape
         out = []
         for band, norm, proj in zip(x.split(self.widths, dim=1), self.norms, self.projs):
             band = band.permute(0, 2, 1, 3).reshape(B, T, -1)  # (B, T, 2w)
-            out.append(proj(norm(band)))
+            h = norm(band)
+            if self.energy:
+                h = torch.cat((h, 0.25 * torch.log(band.float().pow(2).mean(-1, keepdim=True) + 1e-6)), -1)
+            out.append(proj(h))
         return torch.stack(out, dim=1)
 
 
@@ -94,7 +101,7 @@ class Encoder(nn.Module):
     def __init__(self, cfg: MBSNetConfig, widths: list[int]) -> None:
         super().__init__()
         self.checkpoint = cfg.checkpoint
-        self.split = BandSplit(widths, cfg.channels)
+        self.split = BandSplit(widths, cfg.channels, cfg.band_energy)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(cfg.channels)
 

@@ -25,6 +25,7 @@ from mbsnet_speech.data import (
     SAMPLE_RATE,
     MixSource,
     PairFolder,
+    PairRemix,
     audio_files,
     find_pairs,
     folder_batch,
@@ -64,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data", default=None, help="VoiceBank+DEMAND-style root (clean_*/ noisy_*/); default: generated"
     )
+    p.add_argument(
+        "--remix",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --data: every step mix one pair's clean speech with another pair's noise (noisy - clean) "
+        "at a random SNR (--snr, default -5 15) and gain; --no-remix trains on the fixed pairs",
+    )
     p.add_argument("--clean", default=None, help="folder of clean speech to mix noise into on the fly")
     p.add_argument("--noise", default=None, help="folder of noise files for --clean (default: built-in)")
     p.add_argument("--batch_size", type=int, default=None, help="default 6 (CPU recipe: 4)")
@@ -76,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs=2,
         default=None,
         metavar=("MIN", "MAX"),
-        help="SNR range in dB of the mixes (generated: 0 20, --clean: -5 15)",
+        help="SNR range in dB of the mixes (generated: 0 20, --clean and --data --remix: -5 15)",
     )
     p.add_argument("--lr", type=float, default=None, help="default 5e-4 (CPU recipe: 3e-3)")
     p.add_argument("--weight_decay", type=float, default=0.01)
@@ -165,7 +173,11 @@ def build_data(args: argparse.Namespace, crop: int):
             pairs.root, [pairs.clean[i] for i in train_idx], [pairs.noisy[i] for i in train_idx]
         )
         desc = f"{len(train)} pairs from {args.data} (+{len(val)} held out for validation)"
-        return (lambda rng: folder_batch(train, args.batch_size, crop, rng)), val, desc
+        if not args.remix:
+            return (lambda rng: folder_batch(train, args.batch_size, crop, rng)), val, desc
+        remix = PairRemix(train, tuple(args.snr) if args.snr else (-5.0, 15.0))
+        desc += f", remixed: speech x noise of other pairs at {remix.snr[0]:g}..{remix.snr[1]:g} dB"
+        return (lambda rng: mix_batch(remix, args.batch_size, crop, rng)[:2]), val, desc
     if args.clean:
         files = audio_files(args.clean, "--clean")
         noise = audio_files(args.noise, "--noise") if args.noise else None
