@@ -240,6 +240,14 @@ def sample_view(image: torch.Tensor, K: torch.Tensor, c2w: torch.Tensor, pts: to
     return torch.cat([feats.transpose(1, 2), cam[..., 2:3].to(feats.dtype)], dim=-1)[:, :, None, :]
 
 
+@torch.no_grad()
+def _inside_hull(view: tuple[torch.Tensor, torch.Tensor, torch.Tensor], pts: torch.Tensor, carve: float):
+    """Points (B, P, 3) -> bool (B, P): the input view does not see background there (some channel of its
+    rgb further than `carve` from white): one view's visual hull on a white background."""
+    seen = sample_view(view[0][:, :3], view[1], view[2], pts)[..., 0, :3].float()
+    return (1.0 - seen).amax(dim=-1) > carve
+
+
 def carved_field(
     decoder: TriplaneDecoder,
     planes: torch.Tensor,
@@ -252,9 +260,7 @@ def carved_field(
     white in every channel) there: on a white background, what the input camera sees through an empty
     pixel is empty (one view's visual hull). Only the points inside the hull go through the decoder."""
     B, P, _ = pts.shape
-    with torch.no_grad():
-        seen = sample_view(view[0][:, :3], view[1], view[2], pts)[..., 0, :3].float()
-        keep = (1.0 - seen).amax(dim=-1) > carve  # (B, P)
+    keep = _inside_hull(view, pts, carve)
     feats, extra = [], []
     for b in range(B):  # a different number of points per scene: sample each scene's planes apart
         p = pts[b][keep[b]][None]
@@ -282,8 +288,7 @@ def hull_bounds(view: tuple[torch.Tensor, torch.Tensor, torch.Tensor], carve: fl
         step = (far - near) / probes
         t = near[..., None] + step[..., None] * (torch.arange(probes, device=near.device) + 0.5)
         pts = (rays_o[..., None, :] + t[..., None] * rays_d[..., None, :]).reshape(B, R * probes, 3)
-        seen = sample_view(view[0][:, :3], view[1], view[2], pts)[..., 0, :3].float()
-        keep = ((1.0 - seen).amax(dim=-1) > carve).reshape(B, R, probes)
+        keep = _inside_hull(view, pts, carve).reshape(B, R, probes)
         idx = torch.arange(probes, device=near.device).expand_as(keep)
         first = torch.where(keep, idx, probes).amin(dim=-1)
         last = torch.where(keep, idx, -1).amax(dim=-1)
