@@ -353,6 +353,10 @@ def audio_files(d: str | Path, what: str) -> list[Path]:
     return files
 
 
+# SNR range (dB) of on-the-fly mixes (--clean, and --data remixing): speech-tts's training range
+MIX_SNR = (-5.0, 15.0)
+
+
 def _check_snr(snr: tuple[float, float]) -> None:
     lo, hi = snr
     if lo > hi:
@@ -365,7 +369,7 @@ class MixSource:
 
     clean: list[Path]
     noise: list[Path] | None = None  # None: the built-in kinds, MIX_NOISE_KINDS
-    snr: tuple[float, float] = (-5.0, 15.0)
+    snr: tuple[float, float] = MIX_SNR
 
     def __post_init__(self) -> None:
         _check_snr(self.snr)
@@ -386,7 +390,7 @@ class PairRemix:
     noise combinations at any SNR and gain, so a model cannot memorise them."""
 
     pairs: PairFolder
-    snr: tuple[float, float] = (-5.0, 15.0)
+    snr: tuple[float, float] = MIX_SNR
 
     def __post_init__(self) -> None:
         _check_snr(self.snr)

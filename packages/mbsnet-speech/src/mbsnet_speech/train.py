@@ -22,6 +22,7 @@ from memfit.training import check_numbers, dist_info, resolve_device
 from mbsnet_speech.config import PRESETS, LossWeights, Recipe, get_config, recipe_for
 from mbsnet_speech.data import (
     HELDOUT_STREAM,
+    MIX_SNR,
     SAMPLE_RATE,
     MixSource,
     PairFolder,
@@ -175,13 +176,13 @@ def build_data(args: argparse.Namespace, crop: int):
         desc = f"{len(train)} pairs from {args.data} (+{len(val)} held out for validation)"
         if not args.remix:
             return (lambda rng: folder_batch(train, args.batch_size, crop, rng)), val, desc
-        remix = PairRemix(train, tuple(args.snr) if args.snr else (-5.0, 15.0))
+        remix = PairRemix(train, tuple(args.snr) if args.snr else MIX_SNR)
         desc += f", remixed: speech x noise of other pairs at {remix.snr[0]:g}..{remix.snr[1]:g} dB"
         return (lambda rng: mix_batch(remix, args.batch_size, crop, rng)[:2]), val, desc
     if args.clean:
         files = audio_files(args.clean, "--clean")
         noise = audio_files(args.noise, "--noise") if args.noise else None
-        snr = tuple(args.snr) if args.snr else (-5.0, 15.0)
+        snr = tuple(args.snr) if args.snr else MIX_SNR
         train_idx, val_idx = _split_heldout(len(files), n_val)
         src = MixSource([files[i] for i in train_idx], noise, snr)
         val = []
