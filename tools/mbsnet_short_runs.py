@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--channels", type=int, default=32)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--bands", type=int, default=12)
+    ap.add_argument("--growth", type=float, default=4.0, help="last band width / first band width")
     ap.add_argument("--d_state", type=int, default=8)
     ap.add_argument("--hop", type=int, default=100)
     ap.add_argument("--bidir", action="store_true")
@@ -51,6 +52,7 @@ def main() -> None:
     ap.add_argument("--snr", type=float, nargs=2, default=(-5.0, 15.0), help="remix SNR range (dB)")
     ap.add_argument("--expand", type=float, default=1.0)
     ap.add_argument("--energy", action="store_true", help="band log energy as an extra input feature")
+    ap.add_argument("--ema", type=float, default=0.0, help="also score an EMA of the weights (decay)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     weights = LossWeights(**json.loads(a.loss)) if a.loss else LossWeights()
@@ -64,6 +66,7 @@ def main() -> None:
         channels=a.channels,
         num_layers=a.layers,
         num_bands=a.bands,
+        band_growth=a.growth,
         d_state=a.d_state,
         hop=a.hop,
         temporal_bidirectional=a.bidir,
@@ -76,6 +79,13 @@ def main() -> None:
         freeze_phase_head(model)
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01, betas=(0.8, 0.99))
+    ema = (
+        torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(a.ema)
+        )
+        if a.ema
+        else None
+    )
     crop, budget, warmup = int(a.seconds * 16000), a.minutes * 60, 50
     t0, step = time.process_time(), 0
     while (elapsed := time.process_time() - t0) < budget:
@@ -91,6 +101,8 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad()
+        if ema is not None:
+            ema.update_parameters(model)
         step += 1
         if step % 200 == 0:
             print(
@@ -99,6 +111,12 @@ def main() -> None:
                 f"{loss.item():.4f}",
                 {k: round(float(v), 4) for k, v in parts.items()},
             )
+    score(a, model, pairs, val_idx, step, "")
+    if ema is not None:
+        score(a, ema.module, pairs, val_idx, step, f" ema {a.ema:g}")
+
+
+def score(a, model, pairs, val_idx, step: int, tag: str) -> None:
     model.eval()
     fn, res = model_fn(model), []
     for i in val_idx:
@@ -116,10 +134,11 @@ def main() -> None:
         )
     r = np.mean(res, axis=0)
     print(
-        f"RESULT {a.name} params {count_params(model) / 1e3:.1f}k steps {step} "
+        f"RESULT {a.name}{tag} params {count_params(model) / 1e3:.1f}k steps {step} "
         f"({a.minutes:g} CPU min, 1 thread) "
         f"val24 PESQ-wb {r[0]:.3f}->{r[1]:.3f} ({r[1] - r[0]:+.3f}) STOI {r[2]:.3f}->{r[3]:.3f} "
-        f"({r[3] - r[2]:+.3f}) SI-SDR {r[4]:.2f}->{r[5]:.2f}"
+        f"({r[3] - r[2]:+.3f}) SI-SDR {r[4]:.2f}->{r[5]:.2f}",
+        flush=True,
     )
 
 

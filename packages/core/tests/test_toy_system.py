@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from memfit import cli
+from memfit.checkpoint import load_checkpoint
 from memfit.config import get_config, overrides_from_args
 from memfit.flags import (
     add_eval_args,
@@ -142,6 +143,20 @@ def test_toy_system_trains_evaluates_and_resumes_through_the_contract(toy, tmp_p
     best = [r for r in _rows(run / "metrics.jsonl") if "best_step" in r][-1]
     assert result["step"] == best["best_step"]  # eval used best.pt
     assert result["mse"] == pytest.approx(best["best/val_mse"], rel=1e-6)
+
+    # --ema: validation, best.pt and eval all use the weight average, not the raw weights
+    cli.train_main(["--system", NAME, *runs, "--steps", "20", "--run_name", "e", "--ema", "0.9"])
+    cli.eval_main(["--system", NAME, "--run", "e", "--runs_dir", str(tmp_path)])
+    ema_run = tmp_path / NAME / "e"
+    averaged = json.loads((ema_run / "eval" / "eval.json").read_text())["mse"]
+    best = [r for r in _rows(ema_run / "metrics.jsonl") if "best_step" in r][-1]
+    assert averaged == pytest.approx(best["best/val_mse"], rel=1e-6)
+    raw = ToyModel(PRESETS["tiny"])
+    raw.load_state_dict(load_checkpoint(ema_run / "best.pt")["model"])
+    assert mse(raw) != pytest.approx(averaged, rel=1e-3)
+    with pytest.raises(SystemExit) as e:
+        cli.train_main(["--system", NAME, *runs, "--ema", "1", "--run_name", "f"])
+    assert e.value.code == 2 and "--ema must be in [0, 1)" in capsys.readouterr().err
 
     cli.train_main(["--system", NAME, *runs, "--steps", "30", "--run_name", "r", "--resume"])
     steps = [r["step"] for r in _rows(run / "metrics.jsonl") if "loss" in r]

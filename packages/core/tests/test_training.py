@@ -48,7 +48,7 @@ def loss_fn(model, batch):
     return loss, {"mse": loss.item()}
 
 
-def build(tmp_path, steps, resume=False, amp="none", grad_accum=1, save_every=3):
+def build(tmp_path, steps, resume=False, amp="none", grad_accum=1, save_every=3, ema=0.0):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -64,6 +64,7 @@ def build(tmp_path, steps, resume=False, amp="none", grad_accum=1, save_every=3)
         progress=False,
         log_every=1,
         device="cpu",
+        ema=ema,
     )
     return Trainer(model, opt, loss_fn, make_batch, cfg, scheduler=sched, config={"width": 32})
 
@@ -311,6 +312,47 @@ def test_best_metric_writes_best_checkpoint_and_logs_best_step(tmp_path):
 
     assert find_checkpoint(tmp_path) == tmp_path / "best.pt"
     assert find_checkpoint(tmp_path, "latest").name == "ckpt_0000008.pt"
+
+
+def test_ema_averages_the_weights_validates_on_them_and_resumes_exactly(tmp_path):
+    """--ema 0.9: after each step avg = 0.9 avg + 0.1 w (the first step copies w). Validation sees the
+    average, best.pt and checkpoints carry it, and a resumed run ends with the same average."""
+    seen = {}
+
+    def eval_fn(model):
+        seen[t.step] = model.body[0].weight.detach().clone()
+        return {"score": float(t.step)}
+
+    t = build(tmp_path / "full", steps=6, save_every=3, ema=0.9)
+    raw = t.raw_model.body[0].weight
+    avg, hand = None, {}
+    t.eval_fn, t.eval_every, t.best_metric = eval_fn, 3, "score"
+    step = t._train_step
+
+    def tracked():  # the average by hand, from the raw weights after every optimizer step
+        nonlocal avg
+        out = step()
+        w = raw.detach().clone()
+        avg = w if avg is None else 0.9 * avg + 0.1 * w
+        hand[t.step + 1] = avg
+        return out
+
+    t._train_step = tracked
+    t.fit()
+    for k in (3, 6):
+        torch.testing.assert_close(seen[k], hand[k])
+        assert not torch.allclose(seen[k], raw)  # the average, not the raw weights
+    best = load_checkpoint(tmp_path / "full" / "best.pt")
+    torch.testing.assert_close(best["ema_model"]["body.0.weight"], hand[6])
+    torch.testing.assert_close(best["model"]["body.0.weight"], raw.detach())
+    # stopped after its step-3 checkpoint, then resumed: the same average at step 6
+    part = build(tmp_path / "part", steps=3, save_every=3, ema=0.9)
+    part.fit()
+    resumed = build(tmp_path / "part", steps=6, save_every=3, ema=0.9, resume=True)
+    resumed.fit()
+    torch.testing.assert_close(resumed.ema_model.module.body[0].weight, hand[6])
+    with pytest.raises(ValueError, match="ema must be in"):
+        LoopConfig(ema=1.0)
 
 
 def test_best_mode_min_and_find_checkpoint_without_best(tmp_path):

@@ -21,6 +21,11 @@ def test_band_split_covers_every_bin_once():
         w = band_widths(n_bins, k)
         assert len(w) == k and sum(w) == n_bins and min(w) >= 1
     assert band_widths(257, 30)[:10] == [3] * 10  # fine resolution at low frequencies
+    for growth in (1.0, 4.0, 16.0):  # geometric widths, the last about `growth` times the first
+        w = band_widths(257, 12, growth)
+        assert sum(w) == 257 and min(w) >= 1 and growth / 1.5 <= w[-1] / w[0] <= growth * 1.5, (growth, w)
+    with pytest.raises(ValueError, match="band_growth must be > 0"):
+        tiny_config(band_growth=0.0)
 
 
 def test_band_energy_gives_the_encoder_the_level_the_layernorm_removes():

@@ -38,8 +38,13 @@ class LoopConfig:
     measure_memory_steps: int = 3
     # Wall-clock budget: stop cleanly (checkpoint saved, resumable) once this many minutes have passed.
     max_minutes: float | None = None
+    # Exponential moving average of the weights (decay per step; 0: off). Validation scores the average,
+    # best.pt and every checkpoint carry it ("ema_model"), and load_model uses it.
+    ema: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.ema < 1:
+            raise ValueError(f"ema must be in [0, 1) (a decay per step, e.g. 0.995; 0 = off), got {self.ema}")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ValueError(f"max_minutes must be > 0, got {self.max_minutes}")
         if self.steps < 0:
@@ -87,6 +92,13 @@ def add_loop_args(parser: argparse.ArgumentParser, **defaults: Any) -> argparse.
         help="also write TensorBoard events to <run>/tensorboard (needs the `tensorboard` extra)",
     )
     add_threads_arg(g)
+    g.add_argument(
+        "--ema",
+        type=float,
+        default=d["ema"],
+        help="decay of an exponential moving average of the weights, which validation, best.pt and "
+        "eval use (0 = off; default %(default)s)",
+    )
     g.add_argument(
         "--max_minutes",
         type=float,
@@ -192,6 +204,7 @@ def loop_config_from_args(args: argparse.Namespace, system: str) -> LoopConfig:
             progress=not args.no_progress,
             device=args.device,
             max_minutes=getattr(args, "max_minutes", None),
+            ema=getattr(args, "ema", 0.0),
         )
     except ValueError as e:
         raise UsageError(f"error: --{e}") from None

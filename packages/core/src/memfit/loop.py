@@ -150,6 +150,13 @@ class Trainer:
         if self.dist.is_main:  # refuse a used folder or a live trainer before anything is written
             self.folder.open(self.cfg.resume, self.cfg.overwrite)
         self.raw_model = self.model  # what is saved; self.model may be wrapped (DDP, compile)
+        self.ema_model = (
+            torch.optim.swa_utils.AveragedModel(
+                self.raw_model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(self.cfg.ema)
+            )
+            if self.cfg.ema
+            else None
+        )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.amp == "fp16")
         self.peak_memory_bytes = 0
         self._signal: int | None = None
@@ -187,7 +194,9 @@ class Trainer:
             "meta": self.meta or {},
             "loop_config": asdict(self.cfg),
             "best": {"metric": self.best_metric, "value": self.best_value, "step": self.best_step},
-        }
+            **({"ema_model": self.ema_model.module.state_dict(), "ema_n": int(self.ema_model.n_averaged)}
+               if self.ema_model is not None else {}),
+        }  # fmt: skip
 
     def save(self) -> Path | None:
         if not self.dist.is_main:
@@ -235,6 +244,9 @@ class Trainer:
         try:
             self.raw_model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+            if self.ema_model is not None:  # a run without one starts its average at the resumed weights
+                self.ema_model.module.load_state_dict(state.get("ema_model", state["model"]))
+                self.ema_model.n_averaged.fill_(int(state.get("ema_n", 1)))
         except (RuntimeError, ValueError, KeyError) as e:
             diff = config_difference(state.get("config") or {}, config_dict(self.config))
             why = f"differs in {diff}" if diff else str(e).strip().splitlines()[0][:160]
@@ -283,6 +295,8 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema_model is not None:
+            self.ema_model.update_parameters(self.raw_model)
         if self.scheduler is not None:
             self.scheduler.step()
         if not math.isfinite(total):
@@ -429,10 +443,11 @@ class Trainer:
         if not self.dist.is_main:
             return
         assert self.eval_fn is not None
-        self.raw_model.eval()
+        model = self.ema_model.module if self.ema_model is not None else self.raw_model
+        model.eval()
         with torch.no_grad(), autocast_context(self.cfg.amp, self.device):
-            results = self.eval_fn(self.raw_model)
-        self.raw_model.train()
+            results = self.eval_fn(model)
+        model.train()
         record = {"step": self.step, **{f"eval/{k}": v for k, v in results.items()}}
         if self.best_metric is not None:
             if self.best_metric not in results:

@@ -111,7 +111,7 @@ class System:
         try:
             cfg = replace(from_dict(self.config_cls, state["config"]), **overrides)
             model = self.build_model(cfg)
-            model.load_state_dict(state["model"])
+            model.load_state_dict(state.get("ema_model") or state["model"])  # a run's weight average if kept
         except (TypeError, ValueError, RuntimeError) as e:
             first = str(e).strip().splitlines()[0][:160]
             raise UsageError(f"error: {path}: its weights do not fit its config ({first})") from None

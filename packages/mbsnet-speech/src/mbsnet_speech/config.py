@@ -21,6 +21,7 @@ class MBSNetConfig:
     compress: float = 0.3  # magnitude power-law compression, as MP-SENet / SEMamba
     # band split and encoder
     num_bands: int = 30
+    band_growth: float = 4.0  # last band's width over the first's (geometric widths; not BSRNN's (257, 30))
     channels: int = 128
     num_layers: int = 14
     d_state: int = 16
@@ -42,6 +43,8 @@ class MBSNetConfig:
             raise ValueError(f"scan must be 'chunked' or 'materialise', got {self.scan!r}")
         if self.num_bands < 1 or self.num_bands > self.n_bins:
             raise ValueError(f"num_bands must be in 1..{self.n_bins} (n_fft//2+1), got {self.num_bands}")
+        if not self.band_growth > 0:
+            raise ValueError(f"band_growth must be > 0 (last band width / first), got {self.band_growth}")
         if self.win > self.n_fft:
             raise ValueError(f"win ({self.win}) must be <= n_fft ({self.n_fft})")
         if self.hop < 1 or self.hop > self.win:
@@ -52,18 +55,19 @@ class MBSNetConfig:
         return self.n_fft // 2 + 1
 
 
-def band_widths(n_bins: int, num_bands: int) -> list[int]:
+def band_widths(n_bins: int, num_bands: int, growth: float = 4.0) -> list[int]:
     """Bins per sub-band, low to high frequency; sums to n_bins.
 
     (257, 30) is BSRNN's 16 kHz recipe in whole bins: 10 bands of 3 bins (~94 Hz) up to ~940 Hz,
     12 of 8 (250 Hz) up to ~3.9 kHz, 8 of 16 (500 Hz) to Nyquist. Other sizes: widths growing
-    geometrically, so low frequencies (where speech harmonics are dense) keep fine resolution.
+    geometrically (the last `growth` times the first), so low frequencies (where speech harmonics are
+    dense) keep fine resolution.
     """
     if n_bins == 257 and num_bands == 30:
         widths = [3] * 10 + [8] * 12 + [16] * 8
         widths[-1] += n_bins - sum(widths)
         return widths
-    ratio = 4.0 ** (1 / max(1, num_bands - 1))  # last band ~4x the first
+    ratio = growth ** (1 / max(1, num_bands - 1))  # last band ~growth x the first
     raw = [ratio**k for k in range(num_bands)]
     scale = n_bins / sum(raw)
     widths = [max(1, math.floor(r * scale)) for r in raw]

@@ -179,7 +179,7 @@ class MBSNet(nn.Module):
     def __init__(self, cfg: MBSNetConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.widths = band_widths(cfg.n_bins, cfg.num_bands)
+        self.widths = band_widths(cfg.n_bins, cfg.num_bands, cfg.band_growth)
         self.encoder = Encoder(cfg, self.widths)
         self.phase_encoder = Encoder(cfg, self.widths) if cfg.dual_branch else None
         self.mask_head = BandHead(self.widths, cfg.channels, 1, cfg.head_hidden)
