@@ -6,8 +6,7 @@
  *   h_t  = exp(dt_t * A) * h_{t-1} + dt_t * u_t * B_t     (per batch b, channel d: a vector over N)
  *   out_t = (<C_t, h_t> + D * u_t) * silu(z_t)
  *
- * Two paths. The sequence path: one work item is one (b, d) sequence: its state (N values) stays in
- * registers for the whole
+ * One work item is one (b, d) sequence: its state (N values) stays in registers for the whole
  * sequence, so no (batch, L, N, dim) tensor ever exists, and every per-step tensor is read or written
  * once per pass. The sequence is walked in chunks of T steps: each chunk's per-step values are first
  * gathered into small contiguous arrays (so softplus, the gate and their gradients run as vector loops
@@ -20,15 +19,6 @@
  * first, starts (batch, n_chunks - 1, dim, N); backward recomputes one chunk's states and decays from
  * there into a (T + 1) x N buffer per thread. Gradient accumulators (dA, dB, dC, dD, dbias) are
  * private per thread ([thread][...] blocks, zeroed by the caller and summed over threads by it).
- *
- * The channel-lane path (lanes = 1 in scan_fwd / scan_bwd): one work item is (b, a block of V
- * consecutive channels), V the lanes of one vector register; the state is N lane vectors, so a step is
- * N independent vector recurrences (an exp2, two multiply-adds each) with no sum over N, and the
- * per-step values of a block are one vector load when the channel stride is 1 (a Mamba block's
- * layout). B_t and C_t are broadcast over the block, so they must be the same for all its channels
- * (per step, or groups of whole blocks; memfit.ssm checks). Backward walks a thread's blocks of one
- * batch row chunk by chunk; the sums over channels dB_t and dC_t need are kept per lane for the chunk
- * and reduced over lanes once per chunk. Same arguments, same saved chunk states, same results.
  */
 #include <math.h>
 #include <pthread.h>
@@ -126,6 +116,58 @@ static inline vf64 vsoftplus_f64(vf64 x) {
 /* lanes the channel-lane path runs in (memfit.ssm checks that groups of B/C hold whole blocks) */
 int scan_lanes_f32(void) { return LANES32; }
 int scan_lanes_f64(void) { return LANES64; }
+
+/* out[r] = the sum over the lanes of row r of P (R rows); out may be P itself (it is written behind
+ * what has been read). With 16 lanes, 16 rows at a time by a transposing tree of shuffles and adds
+ * (rows taken in bit-reversed order so that lane i ends up holding row i). */
+#if LANES32 == 16
+static inline vf32 tree16_f32(const vf32 *r) {
+    vf32 c[8], d[4], e[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
+                                       22, 23) +
+               __builtin_shufflevector(r[2 * i], r[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                                       29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
+                                       26, 27) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                                       30, 31);
+    for (int i = 0; i < 2; i++)
+        e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                                       28, 29) +
+               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                                       30, 31);
+    return __builtin_shufflevector(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+#endif
+
+static void lane_sums_f32(const vf32 *P, i64 R, float *out) {
+    i64 r = 0;
+#if LANES32 == 16
+    static const int bitrev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+    for (; r + 16 <= R; r += 16) {
+        vf32 t[16];
+        for (int i = 0; i < 16; i++) t[i] = P[r + bitrev[i]];
+        const vf32 s = tree16_f32(t);
+        memcpy(out + r, &s, sizeof s);
+    }
+#endif
+    for (; r < R; r++) {
+        float s = 0;
+        for (int l = 0; l < LANES32; l++) s += P[r][l];
+        out[r] = s;
+    }
+}
+
+static void lane_sums_f64(const vf64 *P, i64 R, double *out) {
+    for (i64 r = 0; r < R; r++) {
+        double s = 0;
+        for (int l = 0; l < LANES64; l++) s += P[r][l];
+        out[r] = s;
+    }
+}
 
 typedef struct {
     i64 b, d, g, t;
@@ -313,19 +355,18 @@ typedef struct {
      * recurrences, no sums over N. Needs B/C broadcast over the block (per step, or groups holding whole  \
      * blocks: the caller checks). Lanes past dim (the last block's tail) run on zeros, which keeps every  \
      * value they make finite and every gradient they add zero. */                                        \
+    typedef REAL VEC##_unaligned __attribute__((vector_size(sizeof(VEC)), aligned(sizeof(REAL))));        \
+                                                                                                          \
     static inline VEC lgather_##SFX(const REAL *p, i64 stride, int nl) {                                  \
         VEC v = {0};                                                                                      \
-        if (nl == V && stride == 1) {                                                                     \
-            memcpy(&v, p, sizeof v);                                                                      \
-            return v;                                                                                     \
-        }                                                                                                 \
+        if (nl == V && stride == 1) return *(const VEC##_unaligned *)p;                                   \
         for (int l = 0; l < nl; l++) v[l] = p[l * stride];                                                \
         return v;                                                                                         \
     }                                                                                                     \
                                                                                                           \
     static inline void lscatter_##SFX(REAL *p, i64 stride, int nl, VEC v) {                               \
         if (nl == V && stride == 1) {                                                                     \
-            memcpy(p, &v, sizeof v);                                                                      \
+            *(VEC##_unaligned *)p = v;                                                                    \
             return;                                                                                       \
         }                                                                                                 \
         for (int l = 0; l < nl; l++) p[l * stride] = v[l];                                                \
@@ -340,7 +381,9 @@ typedef struct {
         lscatter_##SFX(P + b * S.b + d0 * S.d + t * S.t, S.d, nl, v);                                     \
     }                                                                                                     \
                                                                                                           \
-    static inline __attribute__((always_inline)) void lfwd_item_##SFX(const Args_##SFX *a, i64 item, const i64 N) { \
+    static inline __attribute__((always_inline)) void lfwd_item_##SFX(const Args_##SFX *a_, i64 item, const i64 N) { \
+        const Args_##SFX args = *a_, *a = &args; /* a local copy: stores through the data pointers cannot \
+                                                    change it, so its fields stay in registers */         \
         const i64 nb = a->nblk, b = item / nb, d0 = (item % nb) * V, L = a->L, T = a->T, dim = a->dim;    \
         const int nl = (int)(dim - d0 < V ? dim - d0 : V);                                                \
         const i64 nch = (L + T - 1) / T;                                                                  \
@@ -387,7 +430,8 @@ typedef struct {
      * walking back. The sums over channels that dB_t and dC_t need are kept per lane in P (k steps x 2N  \
      * lane vectors, added to by every block) and reduced over lanes once per chunk. G holds each block's \
      * state gradient between chunks. */                                                                  \
-    static inline __attribute__((always_inline)) void lbwd_seg_##SFX(const Args_##SFX *a, i64 b, i64 j0, i64 j1, const i64 N) { \
+    static inline __attribute__((always_inline)) void lbwd_seg_##SFX(const Args_##SFX *a_, i64 b, i64 j0, i64 j1, const i64 N) { \
+        const Args_##SFX args = *a_, *a = &args; /* a local copy, as in lfwd_item */                      \
         const i64 L = a->L, T = a->T, th = a->th, dim = a->dim;                                           \
         const i64 nch = (L + T - 1) / T;                                                                  \
         const i64 gB = j0 * V / a->gsB, gC = j0 * V / a->gsC;                                             \
@@ -480,14 +524,12 @@ typedef struct {
             }                                                                                             \
             /* the chunk's dC_t[n] (P rows 0..N-1) and dB_t[n] (rows N..2N-1): sums over the lanes */     \
             REAL *Pr = (REAL *)P;                                                                         \
-            for (int w = V / 2; w >= 1; w /= 2)                                                           \
-                for (i64 r = 0; r < 2 * N * k; r++)                                                       \
-                    for (int l = 0; l < w; l++) Pr[r * V + l] += Pr[r * V + w + l];                       \
+            lane_sums_##SFX(P, 2 * N * k, Pr);                                                            \
             for (i64 i = 0; i < k; i++) {                                                                 \
                 REAL *dCt = dCp + (s + i) * a->pC.t, *dBt = dBp + (s + i) * a->pB.t;                      \
                 for (i64 n = 0; n < N; n++) {                                                             \
-                    dCt[n] += Pr[(i * 2 * N + n) * V];                                                    \
-                    dBt[n] += Pr[(i * 2 * N + N + n) * V];                                                \
+                    dCt[n] += Pr[i * 2 * N + n];                                                          \
+                    dBt[n] += Pr[i * 2 * N + N + n];                                                      \
                 }                                                                                         \
             }                                                                                             \
         }                                                                                                 \
