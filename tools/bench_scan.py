@@ -130,12 +130,9 @@ def ssd_layer(t: dict[str, torch.Tensor], chunk: int) -> torch.Tensor:
 
 def mamba1(fn, lane_path=True):
     def step(t):
-        ssm.LANE_PATH = lane_path
-        try:
-            return fn(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"], t["delta_bias"], True)
-        finally:
-            ssm.LANE_PATH = True
+        return fn(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"], t["delta_bias"], True)
 
+    step.lane_path = lane_path  # train_step holds memfit.ssm.LANE_PATH at this through backward
     return step
 
 
@@ -147,7 +144,11 @@ def out_grad(inputs: dict[str, torch.Tensor], seed=2) -> torch.Tensor:
 
 
 def train_step(fn, t: dict[str, torch.Tensor], gout: torch.Tensor) -> None:
-    fn(t).backward(gout)
+    ssm.LANE_PATH = getattr(fn, "lane_path", True)
+    try:
+        fn(t).backward(gout)
+    finally:
+        ssm.LANE_PATH = True
     for v in t.values():
         v.grad = None
 
