@@ -120,7 +120,12 @@ int scan_lanes_f64(void) { return LANES64; }
 /* out[r] = the sum over the lanes of row r of P (R rows); out may be P itself (it is written behind
  * what has been read). With 16 lanes, 16 rows at a time by a transposing tree of shuffles and adds
  * (rows taken in bit-reversed order so that lane i ends up holding row i). */
-#if LANES32 == 16
+#if defined(__has_builtin) /* __builtin_shufflevector: GCC >= 12, clang; others sum lane by lane */
+#if __has_builtin(__builtin_shufflevector) && LANES32 == 16
+#define LANE_TREE16 1
+#endif
+#endif
+#ifdef LANE_TREE16
 static inline vf32 tree16_f32(const vf32 *r) {
     vf32 c[8], d[4], e[2];
     for (int i = 0; i < 8; i++)
@@ -145,7 +150,7 @@ static inline vf32 tree16_f32(const vf32 *r) {
 
 static void lane_sums_f32(const vf32 *P, i64 R, float *out) {
     i64 r = 0;
-#if LANES32 == 16
+#ifdef LANE_TREE16
     static const int bitrev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
     for (; r + 16 <= R; r += 16) {
         vf32 t[16];
