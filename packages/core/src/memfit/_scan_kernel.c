@@ -99,6 +99,17 @@ static inline vf32 vsoftplus_f32(vf32 x) {
     return vsel_f32(x > 0.0f, x, (vf32){0}) + 2.0f * s * p;
 }
 
+/* softplus(x) and, into *sg, sigmoid(x) = (x > 0 ? 1 : y) / (1 + y) from the same y = exp(-|x|) */
+static inline vf32 vsoftplus_sig_f32(vf32 x, vf32 *sg) {
+    const vf32 ax = (vf32)((vi32)x & 0x7fffffff);
+    const vf32 y = vexp2_f32(-1.4426950408889634f * ax);
+    const vf32 s = y / (2.0f + y), q = s * s;
+    const vf32 p = 1.0f + q * (1.0f / 3 + q * (1.0f / 5 + q * (1.0f / 7 + q * (1.0f / 9 + q * (1.0f / 11 +
+                   q * (1.0f / 13 + q * (1.0f / 15)))))));
+    *sg = vsel_f32(x > 0.0f, (vf32){0} + 1.0f, y) / (1.0f + y);
+    return vsel_f32(x > 0.0f, x, (vf32){0}) + 2.0f * s * p;
+}
+
 /* fp64 lanes: libm per lane (tests, exactness; speed does not matter there) */
 static inline vf64 vexp2_f64(vf64 x) {
     for (int l = 0; l < LANES64; l++) x[l] = exp(x[l]);
@@ -111,6 +122,10 @@ static inline vf64 vsigmoid_f64(vf64 x) {
 static inline vf64 vsoftplus_f64(vf64 x) {
     for (int l = 0; l < LANES64; l++) x[l] = softplus_f64(x[l]);
     return x;
+}
+static inline vf64 vsoftplus_sig_f64(vf64 x, vf64 *sg) {
+    *sg = vsigmoid_f64(x);
+    return vsoftplus_f64(x);
 }
 
 /* lanes the channel-lane path runs in (memfit.ssm checks that groups of B/C hold whole blocks) */
@@ -127,24 +142,20 @@ int scan_lanes_f64(void) { return LANES64; }
 #endif
 #ifdef LANE_TREE16
 static inline vf32 tree16_f32(const vf32 *r) {
+#define SH_ __builtin_shufflevector
     vf32 c[8], d[4], e[2];
     for (int i = 0; i < 8; i++)
-        c[i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21,
-                                       22, 23) +
-               __builtin_shufflevector(r[2 * i], r[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
-                                       29, 30, 31);
+        c[i] = SH_(r[2 * i], r[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SH_(r[2 * i], r[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
     for (int i = 0; i < 4; i++)
-        d[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
-                                       26, 27) +
-               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
-                                       30, 31);
+        d[i] = SH_(c[2 * i], c[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               SH_(c[2 * i], c[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int i = 0; i < 2; i++)
-        e[i] = __builtin_shufflevector(d[2 * i], d[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
-                                       28, 29) +
-               __builtin_shufflevector(d[2 * i], d[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
-                                       30, 31);
-    return __builtin_shufflevector(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-           __builtin_shufflevector(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+        e[i] = SH_(d[2 * i], d[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               SH_(d[2 * i], d[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    return SH_(e[0], e[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           SH_(e[0], e[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+#undef SH_
 }
 #endif
 
@@ -180,7 +191,7 @@ typedef struct {
 
 #define AT(P_, S_, B_, D_, T_) (P_)[(B_) * (S_).b + (D_) * (S_).d + (T_) * (S_).t]
 
-#define DEFINE_SCAN(REAL, SFX, EXP, SIGMOID, SOFTPLUS, VEC, V, VEXP, VSIGMOID, VSOFTPLUS)                 \
+#define DEFINE_SCAN(REAL, SFX, EXP, SIGMOID, SOFTPLUS, VEC, V, VEXP, VSIGMOID, VSOFTPLUS, VSOFTPLUS_SIG) \
     typedef struct {                                                                                      \
         i64 batch, dim, L, N, T, lo, hi, th, softplus, nblk; /* nblk: channel blocks (lane path) */       \
         const REAL *delta, *bias, *u, *z, *D, *A2, *A, *B, *C, *dlast, *dout;                             \
@@ -386,7 +397,8 @@ typedef struct {
         lscatter_##SFX(P + b * S.b + d0 * S.d + t * S.t, S.d, nl, v);                                     \
     }                                                                                                     \
                                                                                                           \
-    static inline __attribute__((always_inline)) void lfwd_item_##SFX(const Args_##SFX *a_, i64 item, const i64 N) { \
+    static inline __attribute__((always_inline)) void lfwd_item_##SFX(const Args_##SFX *a_, i64 item,     \
+                                                                       const i64 N) {                     \
         const Args_##SFX args = *a_, *a = &args; /* a local copy: stores through the data pointers cannot \
                                                     change it, so its fields stay in registers */         \
         const i64 nb = a->nblk, b = item / nb, d0 = (item % nb) * V, L = a->L, T = a->T, dim = a->dim;    \
@@ -435,7 +447,8 @@ typedef struct {
      * walking back. The sums over channels that dB_t and dC_t need are kept per lane in P (k steps x 2N  \
      * lane vectors, added to by every block) and reduced over lanes once per chunk. G holds each block's \
      * state gradient between chunks. */                                                                  \
-    static inline __attribute__((always_inline)) void lbwd_seg_##SFX(const Args_##SFX *a_, i64 b, i64 j0, i64 j1, const i64 N) { \
+    static inline __attribute__((always_inline)) void lbwd_seg_##SFX(const Args_##SFX *a_, i64 b, i64 j0, \
+                                                                      i64 j1, const i64 N) {              \
         const Args_##SFX args = *a_, *a = &args; /* a local copy, as in lfwd_item */                      \
         const i64 L = a->L, T = a->T, th = a->th, dim = a->dim;                                           \
         const i64 nch = (L + T - 1) / T;                                                                  \
@@ -445,12 +458,13 @@ typedef struct {
         REAL *dBp = a->dB + th * a->pB.d + b * a->pB.b + gB * a->pB.g;                                    \
         REAL *dCp = a->dC + th * a->pC.d + b * a->pC.b + gC * a->pC.g;                                    \
         VEC *Hb = (VEC *)a->work, *Ab = Hb + (T + 1) * N, *P = Ab + T * N, *G = P + 2 * T * N;            \
-        VEC *raw = G + (j1 - j0) * N, *dtv = raw + T, *uv = dtv + T, *yp = uv + T;                        \
+        VEC *sgv = G + (j1 - j0) * N, *dtv = sgv + T, *uv = dtv + T, *yp = uv + T; /* per step */         \
         for (i64 j = j0; j < j1; j++) {                                                                   \
             const i64 d0 = j * V;                                                                         \
             const int nl = (int)(dim - d0 < V ? dim - d0 : V);                                            \
             for (i64 n = 0; n < N; n++)                                                                   \
-                G[(j - j0) * N + n] = a->dlast ? lgather_##SFX(a->dlast + (b * dim + d0) * N + n, N, nl) : (VEC){0}; \
+                G[(j - j0) * N + n] =                                                                     \
+                    a->dlast ? lgather_##SFX(a->dlast + (b * dim + d0) * N + n, N, nl) : (VEC){0};        \
         }                                                                                                 \
         for (i64 c = nch - 1; c >= 0; c--) {                                                              \
             const i64 s = c * T, k = (s + T < L ? s + T : L) - s;                                         \
@@ -464,13 +478,15 @@ typedef struct {
                 for (i64 n = 0; n < N; n++) {                                                             \
                     A2v[n] = lgather_##SFX(a->A2 + d0 * N + n, N, nl);                                    \
                     Arv[n] = lgather_##SFX(a->A + d0 * N + n, N, nl);                                     \
-                    hv[n] = c == 0 ? (VEC){0} : lgather_##SFX(a->starts + ((b * (nch - 1) + c - 1) * dim + d0) * N + n, N, nl); \
+                    const i64 so = ((b * (nch - 1) + c - 1) * dim + d0) * N + n; /* its saved start */    \
+                    hv[n] = c == 0 ? (VEC){0} : lgather_##SFX(a->starts + so, N, nl);                     \
                     Hb[n] = hv[n];                                                                        \
                 }                                                                                         \
                 /* recompute: Hb row i + 1 = state after step s + i, Ab row i = its decays */             \
                 for (i64 i = 0; i < k; i++) {                                                             \
                     const VEC r = lat_##SFX(a->delta, a->sdl, b, d0, s + i, nl) + bias;                   \
-                    const VEC dt = a->softplus ? VSOFTPLUS(r) : r;                                        \
+                    VEC sg = {0}; /* sigmoid(r), the softplus' derivative */                              \
+                    const VEC dt = a->softplus ? VSOFTPLUS_SIG(r, &sg) : r;                               \
                     const VEC uu = lat_##SFX(a->u, a->su, b, d0, s + i, nl);                              \
                     const VEC x = dt * uu;                                                                \
                     const REAL *Bt = Bp + (s + i) * a->sB.t, *Ct = Cp + (s + i) * a->sC.t;                \
@@ -485,7 +501,7 @@ typedef struct {
                         else                                                                              \
                             acc0 += Ct[n] * hv[n];                                                        \
                     }                                                                                     \
-                    raw[i] = r, dtv[i] = dt, uv[i] = uu, yp[i] = acc0 + acc1;                             \
+                    sgv[i] = sg, dtv[i] = dt, uv[i] = uu, yp[i] = acc0 + acc1;                            \
                 }                                                                                         \
                 VEC dDl = {0}, dbl = {0};                                                                 \
                 for (i64 n = 0; n < N; n++) g[n] = G[(j - j0) * N + n], dAl[n] = (VEC){0};                \
@@ -495,7 +511,9 @@ typedef struct {
                     if (a->z) {                                                                           \
                         const VEC zz = lat_##SFX(a->z, a->sz, b, d0, s + i, nl), sg = VSIGMOID(zz);       \
                         dy = go * zz * sg;                                                                \
-                        lst_##SFX(a->dz, a->sdz, b, d0, s + i, nl, go * yp[i] * sg * ((REAL)1 + zz * ((REAL)1 - sg))); \
+                        const VEC one = (VEC){0} + 1;                                                     \
+                        const VEC dzv = go * yp[i] * sg * (one + zz * (one - sg));                        \
+                        lst_##SFX(a->dz, a->sdz, b, d0, s + i, nl, dzv);                                  \
                     }                                                                                     \
                     const VEC uu = uv[i], dt = dtv[i], x = dt * uu;                                       \
                     dDl += dy * uu;                                                                       \
@@ -514,7 +532,7 @@ typedef struct {
                         g[n] = gn * an[n];                                                                \
                     }                                                                                     \
                     VEC dd = W * uu + ddt;                                                                \
-                    if (a->softplus) dd *= VSIGMOID(raw[i]);                                              \
+                    if (a->softplus) dd *= sgv[i];                                                        \
                     dbl += dd;                                                                            \
                     lst_##SFX(a->du, a->sdu, b, d0, s + i, nl, dy * Dv + W * dt);                         \
                     lst_##SFX(a->ddelta, a->sdd, b, d0, s + i, nl, dd);                                   \
@@ -554,8 +572,10 @@ typedef struct {
     static void *lbwd_range_##SFX(void *p) {                                                              \
         const Args_##SFX *a = p;                                                                          \
         /* blocks per group of B and of C (a group holds whole blocks) */                                 \
-        const i64 gb = a->gsB >= a->dim ? a->nblk : a->gsB / V, gc = a->gsC >= a->dim ? a->nblk : a->gsC / V; \
-        for (i64 i = a->lo; i < a->hi;) { /* one segment: this thread's blocks of one batch row and group */ \
+        const i64 gb = a->gsB >= a->dim ? a->nblk : a->gsB / V;                                           \
+        const i64 gc = a->gsC >= a->dim ? a->nblk : a->gsC / V;                                           \
+        /* one segment at a time: this thread's blocks of one batch row and one group */                  \
+        for (i64 i = a->lo; i < a->hi;) {                                                                 \
             const i64 b = i / a->nblk, j0 = i - b * a->nblk;                                              \
             i64 j1 = (j0 / gb + 1) * gb < (j0 / gc + 1) * gc ? (j0 / gb + 1) * gb : (j0 / gc + 1) * gc;   \
             if (j1 > a->nblk) j1 = a->nblk;                                                               \
@@ -572,8 +592,9 @@ typedef struct {
         return NULL;                                                                                      \
     }                                                                                                     \
                                                                                                           \
-    /* Splits the items (sequences, or channel blocks on the lane path) into contiguous ranges, one per thread; returns 0 on success, -1 \
-     * when a work buffer could not be allocated (nothing computed then). */                              \
+    /* Splits the items (sequences, or channel blocks on the lane path) into contiguous ranges, one per   \
+     * thread; returns 0 on success, -1 when a work buffer could not be allocated (nothing computed    \
+     * then). */                              \
     static int run_##SFX(Args_##SFX *a, int nthreads, void *(*fn)(void *), i64 items, i64 per) {          \
         if (nthreads > items) nthreads = (int)items;                                                      \
         if (nthreads < 1) nthreads = 1;                                                                   \
@@ -659,9 +680,9 @@ typedef struct {
     }
 
 DEFINE_SCAN(float, f32, exp2_f32, sigmoid_f32, softplus_f32, vf32, LANES32, vexp2_f32, vsigmoid_f32,
-            vsoftplus_f32)
+            vsoftplus_f32, vsoftplus_sig_f32)
 DEFINE_SCAN(double, f64, exp2_f64, sigmoid_f64, softplus_f64, vf64, LANES64, vexp2_f64, vsigmoid_f64,
-            vsoftplus_f64)
+            vsoftplus_f64, vsoftplus_sig_f64)
 
 /* Mamba's depthwise causal conv1d + SiLU, channels last: x[b, t, d] (row stride sx_t, batch stride
  * sx_b, d contiguous), weight w (K, dim) contiguous (the conv's (dim, 1, K) transposed), bias (dim) or
