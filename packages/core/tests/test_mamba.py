@@ -170,3 +170,22 @@ def test_fused_cpu_conv_matches_torch_conv(dtype):
                 torch.testing.assert_close(a, r, rtol=tol, atol=tol * r.abs().max().item())
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mamba_block_runs_the_scan_kernels_lane_path(monkeypatch, dtype):
+    """The layout a Mamba block passes its scan (channel-stride-1 u, delta, z and output gradient, per-step
+    B/C shared by all channels) must reach the kernel's channel-lane path in both directions, a d_inner
+    that is not a multiple of the lane count included: a layout change upstream must not silently send
+    it back to the slower sequence path."""
+    from memfit import _scan_kernel
+
+    if _scan_kernel.library() is None:
+        pytest.skip("no C compiler: the fused CPU kernels are not built")
+    calls, orig = [], _scan_kernel.call
+    monkeypatch.setattr(_scan_kernel, "call", lambda name, *a: calls.append((name, a[-1])) or orig(name, *a))
+    torch.manual_seed(0)
+    m = Mamba(MambaConfig(20, d_state=8, expand=1.5)).to(dtype)  # d_inner 30
+    m(torch.randn(2, 21, 20, dtype=dtype)).square().mean().backward()
+    sfx = "f64" if dtype == torch.float64 else "f32"
+    assert [c for c in calls if c[0].startswith("scan")] == [(f"scan_fwd_{sfx}", 1), (f"scan_bwd_{sfx}", 1)]

@@ -13,11 +13,24 @@ NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
 
 
 def make_inputs(
-    batch=2, dim=6, L=13, N=4, layout="step", c_layout=None, groups=2, dtype=torch.float64, seed=0
+    batch=2,
+    dim=6,
+    L=13,
+    N=4,
+    layout="step",
+    c_layout=None,
+    groups=2,
+    dtype=torch.float64,
+    seed=0,
+    channels_last=False,
 ):
+    """Scan inputs; ``channels_last``: u, delta and z are (batch, dim, L) views of (batch, L, dim)
+    tensors (channel stride 1), as a Mamba block passes them."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape):
+        if channels_last and len(shape) == 3 and shape == (batch, dim, L):
+            return torch.randn(batch, L, dim, generator=g, dtype=dtype).transpose(1, 2)
         return torch.randn(*shape, generator=g, dtype=dtype)
 
     def bc(kind):
@@ -37,16 +50,26 @@ def make_inputs(
 
 def run(fn, inputs, use, softplus, last, **kw):
     """Forward + backward of a fixed random projection of the outputs; returns outputs and all grads."""
+    # clone keeps the strides of a channels-last view (preserve_format on a dense tensor)
     ts = {k: v.detach().clone().requires_grad_() for k, v in inputs.items()}
     args = {k: (ts[k] if use[k] else None) for k in ("D", "z", "delta_bias")}
     res = fn(ts["u"], ts["delta"], ts["A"], ts["B"], ts["C"], **args, delta_softplus=softplus,
              return_last_state=last, **kw)  # fmt: skip
     outs = res if last else (res,)
     g = torch.Generator().manual_seed(1)
-    loss = sum((o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)).sum() for o in outs)
+    loss = sum((o * _weights(o, g)).sum() for o in outs)
     loss.backward()
     grads = {k: ts[k].grad for k in NAMES if k in ("u", "delta", "A", "B", "C") or use[k]}
     return outs, grads
+
+
+def _weights(o: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """Random weights for an output, laid out like it (so the output's gradient is too: a channel-stride-1
+    output gets a channel-stride-1 gradient, as out_proj gives a Mamba block's scan)."""
+    w = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)
+    if o.dim() == 3 and o.stride(1) == 1 and o.shape[1] > 1:
+        w = w.transpose(1, 2).contiguous().transpose(1, 2)
+    return w
 
 
 def assert_close(outs_a, grads_a, outs_b, grads_b, rtol):
@@ -109,6 +132,99 @@ def test_fp32_matches_fp64_reference(layout, L, chunk, kernels):
     ref = run(selective_scan_ref, {k: v.double() for k, v in inputs.items()}, use, True, True)
     assert ours[0][0].dtype == torch.float32
     assert_close(*ours, *ref, rtol=2e-5)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Records (name, lane path?) of every fused-kernel call (the lane flag is the last argument)."""
+    from memfit import _scan_kernel
+
+    if not fused_kernel_available():
+        pytest.skip("no C compiler here: the fused CPU kernel is not built")
+    calls, orig = [], _scan_kernel.call
+    monkeypatch.setattr(_scan_kernel, "call", lambda name, *a: calls.append((name, a[-1])) or orig(name, *a))
+    return calls
+
+
+# (dim, N, L, chunk, B/C layout): dims below, at and above the lane count (16 fp32 / 8 fp64 lanes with
+# AVX-512, half that without) with a tail, N = 1, 5 (no specialisation), 8 and 16, L = 1, L a multiple
+# of the chunk and not; groups of 16 channels (whole blocks).
+LANE_CASES = [
+    (6, 4, 13, 4, "step"),
+    (20, 8, 13, 4, "step"),
+    (37, 16, 16, 4, "step"),
+    (16, 1, 1, 8, "step"),
+    (24, 5, 9, 64, "step"),
+    (32, 8, 11, 4, "group"),
+]
+
+
+@pytest.mark.parametrize(("dim", "N", "L", "chunk", "layout"), LANE_CASES)
+def test_lane_path_matches_reference_fp64_every_option(dim, N, L, chunk, layout, kernel_calls):
+    """The kernel's channel-lane path (inputs laid out as a Mamba block passes them: channel stride 1,
+    B/C per step or in groups of whole blocks): all 32 option combinations, exact up to fp64 rounding,
+    and every call really ran on it."""
+    inputs = make_inputs(dim=dim, N=N, L=L, layout=layout, groups=2, channels_last=True)
+    for z, D, bias, softplus, last in itertools.product([False, True], repeat=5):
+        use = {"z": z, "D": D, "delta_bias": bias}
+        ref = run(selective_scan_ref, inputs, use, softplus, last)
+        ours = run(selective_scan, inputs, use, softplus, last, chunk_size=chunk)
+        assert_close(*ours, *ref, rtol=1e-10)
+    assert kernel_calls == [("scan_fwd_f64", 1), ("scan_bwd_f64", 1)] * 32
+
+
+@pytest.mark.parametrize(("dim", "N", "L", "chunk", "layout"), LANE_CASES)
+def test_lane_path_fp32_matches_fp64_reference(dim, N, L, chunk, layout, kernel_calls):
+    """The lane path's fp32 polynomials (exp2, softplus, sigmoid on lane vectors) to ~1e-5."""
+    inputs = make_inputs(batch=3, dim=dim, L=L, N=N, layout=layout, dtype=torch.float32, seed=3,
+                         channels_last=True)  # fmt: skip
+    use = {"z": True, "D": True, "delta_bias": True}
+    ours = run(selective_scan, inputs, use, True, True, chunk_size=chunk)
+    ref = run(selective_scan_ref, {k: v.double() for k, v in inputs.items()}, use, True, True)
+    assert_close(*ours, *ref, rtol=2e-5)
+    assert kernel_calls == [("scan_fwd_f32", 1), ("scan_bwd_f32", 1)]
+
+
+def test_lane_path_fp32_long_sequence_and_wide_decays(kernel_calls):
+    """fp32 over many chunks with dt * A from ~0 to ~-60 (the exp2 clamp and the polynomial's range)."""
+    inputs = make_inputs(batch=2, dim=48, L=300, N=16, dtype=torch.float32, seed=5, channels_last=True)
+    inputs["A"] = inputs["A"] * torch.logspace(-2, 1.5, 16)
+    use = {"z": True, "D": True, "delta_bias": True}
+    ours = run(selective_scan, inputs, use, True, True)
+    ref = run(selective_scan_ref, {k: v.double() for k, v in inputs.items()}, use, True, True)
+    assert_close(*ours, *ref, rtol=2e-5)
+    assert kernel_calls == [("scan_fwd_f32", 1), ("scan_bwd_f32", 1)]
+
+
+def test_lane_path_threads_agree(kernel_calls):
+    """1 and 4 threads on the lane path: thread ranges that cut batch rows and B/C groups apart (the
+    per-thread dB/dC/dA sums are added up) give the same result."""
+    inputs = make_inputs(batch=3, dim=64, L=37, N=5, layout="group", groups=2, channels_last=True)
+    use = {"z": True, "D": True, "delta_bias": True}
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(selective_scan, inputs, use, True, True, chunk_size=8)
+        torch.set_num_threads(4)
+        four = run(selective_scan, inputs, use, True, True, chunk_size=8)
+    finally:
+        torch.set_num_threads(threads)
+    assert_close(*one, *four, rtol=1e-13)
+    assert_close(*one, *run(selective_scan_ref, inputs, use, True, True), rtol=1e-10)
+    assert {lanes for _, lanes in kernel_calls} == {1}
+
+
+def test_sequence_path_where_lanes_do_not_fit(kernel_calls):
+    """Shared (dim, N) B, groups smaller than a block, or (batch, dim, L)-contiguous inputs: the
+    sequence path runs (still exact)."""
+    use = {"z": True, "D": True, "delta_bias": True}
+    for kw in ({"layout": "shared", "channels_last": True}, {"layout": "group", "groups": 3, "dim": 6},
+               {"layout": "step", "channels_last": False}):  # fmt: skip
+        inputs = make_inputs(L=9, **kw)
+        kernel_calls.clear()
+        ours = run(selective_scan, inputs, use, True, True, chunk_size=4)
+        assert_close(*ours, *run(selective_scan_ref, inputs, use, True, True), rtol=1e-10)
+        assert kernel_calls == [("scan_fwd_f64", 0), ("scan_bwd_f64", 0)], kw
 
 
 def test_default_chunk_and_output_dtype_under_autocast():
@@ -228,12 +344,14 @@ def test_cuda_matches_reference():
     assert_close(*ours, *ref, rtol=1e-3)
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels-last"])
 @pytest.mark.parametrize("layout", ["shared", "step", "group"])
-def test_fake_tensor_path_allocates_like_the_real_one(layout, kernels):
+def test_fake_tensor_path_allocates_like_the_real_one(layout, channels_last, kernels):
     """On fake tensors the scan runs only 3 of its chunks and skips the in-place recurrences (memory
     estimates need allocations, not values): its peak must equal a real run's, and it must make every
     size of allocation the real run makes (the chunks it skips repeat the same ones). The fused CPU path
-    runs on fake tensors too, skipping only its C calls: the same check holds for it."""
+    runs on fake tensors too, skipping only its C calls: the same check holds for it, on either of its
+    paths (channel-stride-1 inputs with per-step B/C take the channel-lane path)."""
     from memfit.memory import _StorageTracker, fake_mode
 
     class Tracker(_StorageTracker):
@@ -246,7 +364,8 @@ def test_fake_tensor_path_allocates_like_the_real_one(layout, kernels):
             return super()._new_entry(st, t, category)
 
     def run_step(fake):
-        inputs = make_inputs(batch=2, dim=16, L=70, N=8, layout=layout, dtype=torch.float32)
+        inputs = make_inputs(batch=2, dim=16, L=70, N=8, layout=layout, dtype=torch.float32,
+                             channels_last=channels_last)  # fmt: skip
         ts = [v.requires_grad_() for v in inputs.values()]
         tracker = Tracker(fake=fake)
         with tracker:

@@ -3,7 +3,8 @@
 The C file needs nothing but a C compiler (``cc``/``gcc``/``clang``, or ``$CC``) and pthreads: no torch
 headers, no ninja. It is compiled once per source/flags/CPU into ``$MEMFIT_CACHE`` (default
 ``~/.cache/memfit``) and called through ctypes on tensors' data pointers; ctypes releases the GIL and the
-kernel splits its (batch, dim) sequences over ``torch.get_num_threads()`` pthreads.
+kernel splits its work items ((batch, dim) sequences, or (batch, block of channels) on its channel-lane
+path) over ``torch.get_num_threads()`` pthreads.
 
 ``library()`` returns None (and memfit.ssm uses its torch-op path) when there is no compiler, the build
 fails, the platform is not POSIX, or ``MEMFIT_SCAN_KERNEL=0``. The first failure is reported once as a
@@ -83,17 +84,24 @@ def library() -> ctypes.CDLL | None:
         msg = f"memfit: the fused CPU scan kernel is unavailable ({detail}); using torch ops"
         warnings.warn(msg, stacklevel=3)
         return None
-    fwd = [_S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _P, _S, _I, _P, _S, _I, _P, _S, _P, _P, ctypes.c_int]
+    _C = ctypes.c_int
+    fwd = [_S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _P, _S, _I, _P, _S, _I, _P, _S, _P, _P, _C, _C]
     bwd = [_S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _P, _P, _S, _I, _P, _S, _I, _P, _P, _P, _S, _P, _S,
-           _P, _S, _P, _S, _P, _P, _S, _P, _S, _P, _P, ctypes.c_int]  # fmt: skip
+           _P, _S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _C, _C]  # fmt: skip
     conv_fwd = [_S, _P, _S, _P, _P, _P, ctypes.c_int]
     conv_bwd = [_S, _P, _S, _P, _P, _P, _P, _P, _P, ctypes.c_int]
     signatures = {"scan_fwd": fwd, "scan_bwd": bwd, "conv_fwd": conv_fwd, "conv_bwd": conv_bwd}
+    signatures["scan_lanes"] = []
     for sfx in ("f32", "f64"):
         for name, types in signatures.items():
             fn = getattr(lib, f"{name}_{sfx}")
             fn.argtypes, fn.restype = types, ctypes.c_int
     return lib
+
+
+def lanes(sfx: str) -> int:
+    """Channels per work item of the kernel's channel-lane path ("f32" or "f64")."""
+    return getattr(library(), f"scan_lanes_{sfx}")()
 
 
 def ints(*s: int) -> ctypes.Array:

@@ -18,8 +18,9 @@ over the groups. ``delta_bias`` is added to delta and ``delta_softplus`` applies
   recurrence itself is one vectorised op over the chunk, and the recurrence is one fused multiply-add per
   step on a contiguous (batch, dim, N) slice. On CUDA with mamba_ssm installed it calls mamba_ssm's kernel.
   On CPU it runs the same chunked recompute scheme fused in C (_scan_kernel.c, compiled on first use;
-  without a C compiler the torch-op path runs): each (batch, dim) sequence keeps its N-vector state in
-  registers, so neither direction has chunk buffers, and softplus, D and the gate are fused in too.
+  without a C compiler the torch-op path runs): the state stays in registers (per channel block as N lane
+  vectors when the layout is a Mamba block's, else per (batch, dim) sequence as an N-vector), so neither
+  direction has chunk buffers, and softplus, D and the gate are fused in too.
 
 The scan always runs in fp32 (fp64 when u is fp64; autocast is switched off inside); the output has u's
 dtype.
@@ -440,6 +441,29 @@ class _ChunkedScan(torch.autograd.Function):
 # has chunk buffers (backward holds one chunk's states per thread, T x N values).
 
 FUSED_CHUNK = 64
+# The kernel has two paths. The sequence path runs one (batch, dim) sequence per work item with the
+# N-vector state as its SIMD axis (a horizontal sum over N every step). The channel-lane path runs a block
+# of V consecutive channels per work item (V = _scan_kernel.lanes(): 16 fp32 lanes with AVX-512) with the
+# state as N lane vectors: N independent recurrences per step and no sums over N; the sums over channels
+# that dB and dC need are reduced once per chunk. It needs B and C the same for every channel of a block
+# (per step, or groups of a multiple of V channels), which is what a Mamba block passes; shared (dim, N)
+# B/C and other groupings take the sequence path. False keeps every call on the sequence path (for
+# benchmarks comparing the two).
+LANE_PATH = True
+
+
+def _lane_path_fits(B: torch.Tensor, C: torch.Tensor, dim: int, sfx: str, *per_step) -> bool:
+    """The channel-lane path runs when B and C are the same for every channel of a block and the
+    per-step (batch, dim, L) tensors given (None: absent) have channel stride 1 (any other stride is
+    correct there too, but gathered lane by lane: the sequence path is faster then)."""
+    from memfit import _scan_kernel as K
+
+    if not LANE_PATH:
+        return False
+    V = K.lanes(sfx)
+    if not all(X.dim() == 3 or (X.dim() == 4 and (dim // X.shape[1]) % V == 0) for X in (B, C)):
+        return False
+    return all(x is None or dim == 1 or x.stride(1) == 1 for x in per_step)
 
 
 def _bc_kernel_layout(X: torch.Tensor, dim: int, cd: torch.dtype) -> tuple[torch.Tensor, tuple, int]:
@@ -502,6 +526,7 @@ class _FusedScan(torch.autograd.Function):
             Bk, sB, gsB = _bc_kernel_layout(B, dim, cd)
             Ck, sC, gsC = _bc_kernel_layout(C, dim, cd)
             y = _new_bld(u, cd).transpose(1, 2)
+            lanes = _lane_path_fits(B, C, dim, sfx, uc, dl, zc)
             starts = u.new_empty((batch, n_chunks - 1, dim, N), dtype=cd)
             last = u.new_empty((batch, dim, N), dtype=cd)
             if not _is_fake(u):  # fake tensors: the allocations above are all an estimate needs
@@ -509,7 +534,7 @@ class _FusedScan(torch.autograd.Function):
                     f"scan_fwd_{sfx}", K.ints(batch, dim, L, N, T, int(delta_softplus)), K.ptr(dl), K.bdl(dl),
                     K.ptr(bias), K.ptr(uc), K.bdl(uc), K.ptr(zc), K.bdl(zc), K.ptr(Dc), K.ptr(A2), K.ptr(Bk),
                     K.ints(*sB), gsB, K.ptr(Ck), K.ints(*sC), gsC, K.ptr(y), K.bdl(y), K.ptr(starts),
-                    K.ptr(last), torch.get_num_threads(),
+                    K.ptr(last), torch.get_num_threads(), int(lanes),
                 )  # fmt: skip
         ctx.delta_softplus = delta_softplus
         ctx.chunk_size = T
@@ -543,6 +568,7 @@ class _FusedScan(torch.autograd.Function):
             dD = u.new_zeros((nth, dim), dtype=cd) if D is not None else None
             dbias = u.new_zeros((nth, dim), dtype=cd) if delta_bias is not None else None
             dl_last = _cd_or_none(dlast, cd, True)
+            lanes = _lane_path_fits(B, C, dim, sfx, uc, dl, zc, go)  # either path continues either one
             if not _is_fake(u):
                 K.call(
                     f"scan_bwd_{sfx}", K.ints(batch, dim, L, N, ctx.chunk_size, int(ctx.delta_softplus)),
@@ -550,7 +576,7 @@ class _FusedScan(torch.autograd.Function):
                     K.ptr(A2), K.ptr(Ac), K.ptr(Bk), K.ints(*sB), gsB, K.ptr(Ck), K.ints(*sC), gsC,
                     K.ptr(starts), K.ptr(dl_last), K.ptr(go), K.bdl(go), K.ptr(du), K.bdl(du), K.ptr(ddelta),
                     K.bdl(ddelta), K.ptr(dz), K.bdl(dz), K.ptr(dA), K.ptr(dB), K.ints(*pB), K.ptr(dC),
-                    K.ints(*pC), K.ptr(dD), K.ptr(dbias), nth,
+                    K.ints(*pC), K.ptr(dD), K.ptr(dbias), nth, int(lanes),
                 )  # fmt: skip
 
         def cast(g, like):
