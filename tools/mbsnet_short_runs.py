@@ -27,6 +27,7 @@ from mbsnet_speech.losses import enhancement_loss
 from mbsnet_speech.metrics import pesq_score, si_sdr, stoi_score
 from mbsnet_speech.model import MBSNet, count_params
 from mbsnet_speech.train import freeze_phase_head
+from memfit.loop import ema_avg_fn
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "speech-tts"
 
@@ -79,13 +80,9 @@ def main() -> None:
         freeze_phase_head(model)
     params = [q for q in model.parameters() if q.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.01, betas=(0.8, 0.99))
-    ema = (
-        torch.optim.swa_utils.AveragedModel(
-            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(a.ema)
-        )
-        if a.ema
-        else None
-    )
+    # the trainer's --ema: the decay warms up as min(ema, (1 + n) / (10 + n)); runs C-H in the README
+    # (2026-11-22, before 16:05) used a plain EMA at the full decay from the first step
+    ema = torch.optim.swa_utils.AveragedModel(model, avg_fn=ema_avg_fn(a.ema)) if a.ema else None
     crop, budget, warmup = int(a.seconds * 16000), a.minutes * 60, 50
     t0, step = time.process_time(), 0
     while (elapsed := time.process_time() - t0) < budget:

@@ -315,8 +315,9 @@ def test_best_metric_writes_best_checkpoint_and_logs_best_step(tmp_path):
 
 
 def test_ema_averages_the_weights_validates_on_them_and_resumes_exactly(tmp_path):
-    """--ema 0.9: after each step avg = 0.9 avg + 0.1 w (the first step copies w). Validation sees the
-    average, best.pt and checkpoints carry it, and a resumed run ends with the same average."""
+    """--ema 0.9: after the n-th step avg = d avg + (1 - d) w with d = min(0.9, n / (9 + n)) (the first
+    step copies w). Validation sees the average, best.pt and checkpoints carry it, and a resumed run ends
+    with the same average."""
     seen = {}
 
     def eval_fn(model):
@@ -333,7 +334,9 @@ def test_ema_averages_the_weights_validates_on_them_and_resumes_exactly(tmp_path
         nonlocal avg
         out = step()
         w = raw.detach().clone()
-        avg = w if avg is None else 0.9 * avg + 0.1 * w
+        n = t.step + 1
+        d = min(0.9, n / (9 + n))
+        avg = w if avg is None else d * avg + (1 - d) * w
         hand[t.step + 1] = avg
         return out
 

@@ -38,8 +38,9 @@ class LoopConfig:
     measure_memory_steps: int = 3
     # Wall-clock budget: stop cleanly (checkpoint saved, resumable) once this many minutes have passed.
     max_minutes: float | None = None
-    # Exponential moving average of the weights (decay per step; 0: off). Validation scores the average,
-    # best.pt and every checkpoint carry it ("ema_model"), and load_model uses it.
+    # Exponential moving average of the weights (decay per step, warmed up as min(ema, (1 + n) / (10 + n))
+    # after n steps; 0: off). Validation scores the average, best.pt and every checkpoint carry it
+    # ("ema_model"), and load_model uses it.
     ema: float = 0.0
 
     def __post_init__(self) -> None:
@@ -92,12 +93,13 @@ def add_loop_args(parser: argparse.ArgumentParser, **defaults: Any) -> argparse.
         help="also write TensorBoard events to <run>/tensorboard (needs the `tensorboard` extra)",
     )
     add_threads_arg(g)
+    ema_default = "the recipe's" if d["ema"] is None else d["ema"]
     g.add_argument(
         "--ema",
         type=float,
         default=d["ema"],
         help="decay of an exponential moving average of the weights, which validation, best.pt and "
-        "eval use (0 = off; default %(default)s)",
+        f"eval use (0 = off; default {ema_default})",
     )
     g.add_argument(
         "--max_minutes",

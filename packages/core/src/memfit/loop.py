@@ -82,6 +82,17 @@ def warmup_cosine_lambda(
     return f
 
 
+def ema_avg_fn(decay: float) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """AveragedModel's avg_fn for an EMA whose decay warms up as min(decay, (1 + n) / (10 + n)) after n
+    updates, so a short run's average is not dominated by its first, untrained weights."""
+
+    def avg(averaged: torch.Tensor, current: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        d = min(decay, (1 + float(n)) / (10 + float(n)))
+        return averaged * d + current * (1 - d)
+
+    return avg
+
+
 def _of_steps(steps: int) -> str:
     """ " of N" for a progress message, nothing for a run that goes until its time budget."""
     return "" if steps >= UNTIL_BUDGET else f" of {steps}"
@@ -151,9 +162,7 @@ class Trainer:
             self.folder.open(self.cfg.resume, self.cfg.overwrite)
         self.raw_model = self.model  # what is saved; self.model may be wrapped (DDP, compile)
         self.ema_model = (
-            torch.optim.swa_utils.AveragedModel(
-                self.raw_model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(self.cfg.ema)
-            )
+            torch.optim.swa_utils.AveragedModel(self.raw_model, avg_fn=ema_avg_fn(self.cfg.ema))
             if self.cfg.ema
             else None
         )

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--eval_every", type=int, default=None, help="validate every N steps (0: at the end)")
     p.add_argument("--val_files", type=int, default=None, help="held-out files validated (default 8)")
-    add_loop_args(p, steps=None, log_every=10, save_every=200, amp=None)
+    add_loop_args(p, steps=None, log_every=10, save_every=200, amp=None, ema=None)
     return p
 
 
@@ -127,6 +127,7 @@ def resolve_recipe(args: argparse.Namespace) -> Recipe:
         "noisy_phase",
         "eval_every",
         "val_files",
+        "ema",
     )
     fill_from_recipe(args, recipe, keys)
     return recipe
