@@ -439,8 +439,9 @@ class _ChunkedScan(torch.autograd.Function):
 # Memory: the forward keeps the state entering every chunk of T steps (T = chunk_size, default 64) like
 # the torch-op path, and neither direction has chunk buffers in torch. The C side's own per-thread work
 # buffer: the sequence path's backward holds one chunk's states (T x N values); the lane path's one
-# chunk's states, decays and per-lane dB/dC partials of a block, (4T + dim / 16) x N lane vectors
-# (150 KiB at the MBS-Net CPU recipe's dim 64, N 8; under 0.4 MiB at dim 1536, N 16).
+# chunk's states, decays and per-lane dB/dC partials of a block plus A, A2 and dA as lanes, about
+# (4T + dim / 4) x N lane vectors (150 KiB at the MBS-Net CPU recipe's dim 64, N 8; 0.65 MiB at dim
+# 1536, N 16).
 
 FUSED_CHUNK = 64
 # The kernel has two paths. The sequence path runs one (batch, dim) sequence per work item with the
