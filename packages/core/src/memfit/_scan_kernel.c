@@ -410,7 +410,7 @@ typedef struct {
         const VEC Dv = a->D ? lgather_##SFX(a->D + d0, 1, nl) : (VEC){0};                                 \
         VEC A2v[NMAX], h[NMAX];                                                                           \
         for (i64 n = 0; n < N; n++) {                                                                     \
-            A2v[n] = lgather_##SFX(a->A2 + d0 * N + n, N, nl);                                            \
+            A2v[n] = ((const VEC *)a->work)[(item % nb) * N + n]; /* lfwd_range's lane copy of A2 */      \
             h[n] = (VEC){0};                                                                              \
         }                                                                                                 \
         for (i64 t = 0; t < L; t++) {                                                                     \
@@ -457,7 +457,10 @@ typedef struct {
         const REAL *Cp = a->C + b * a->sC.b + gC * a->sC.g;                                               \
         REAL *dBp = a->dB + th * a->pB.d + b * a->pB.b + gB * a->pB.g;                                    \
         REAL *dCp = a->dC + th * a->pC.d + b * a->pC.b + gC * a->pC.g;                                    \
-        VEC *Hb = (VEC *)a->work, *Ab = Hb + (T + 1) * N, *P = Ab + T * N, *G = P + 2 * T * N;            \
+        /* lbwd_range's lane copies of A2 and A and its dA accumulators (nblk x N lane vectors each), then \
+         * this segment's buffers */                                                                      \
+        VEC *A2T = (VEC *)a->work, *AT = A2T + a->nblk * N, *dAT = AT + a->nblk * N;                      \
+        VEC *Hb = dAT + a->nblk * N, *Ab = Hb + (T + 1) * N, *P = Ab + T * N, *G = P + 2 * T * N;         \
         VEC *sgv = G + (j1 - j0) * N, *dtv = sgv + T, *uv = dtv + T, *yp = uv + T; /* per step */         \
         for (i64 j = j0; j < j1; j++) {                                                                   \
             const i64 d0 = j * V;                                                                         \
@@ -476,8 +479,8 @@ typedef struct {
                 const VEC Dv = a->D ? lgather_##SFX(a->D + d0, 1, nl) : (VEC){0};                         \
                 VEC A2v[NMAX], Arv[NMAX], hv[NMAX], g[NMAX], dAl[NMAX];                                   \
                 for (i64 n = 0; n < N; n++) {                                                             \
-                    A2v[n] = lgather_##SFX(a->A2 + d0 * N + n, N, nl);                                    \
-                    Arv[n] = lgather_##SFX(a->A + d0 * N + n, N, nl);                                     \
+                    A2v[n] = A2T[j * N + n];                                                              \
+                    Arv[n] = AT[j * N + n];                                                               \
                     const i64 so = ((b * (nch - 1) + c - 1) * dim + d0) * N + n; /* its saved start */    \
                     hv[n] = c == 0 ? (VEC){0} : lgather_##SFX(a->starts + so, N, nl);                     \
                     Hb[n] = hv[n];                                                                        \
@@ -538,9 +541,8 @@ typedef struct {
                     lst_##SFX(a->ddelta, a->sdd, b, d0, s + i, nl, dd);                                   \
                 }                                                                                         \
                 for (i64 n = 0; n < N; n++) G[(j - j0) * N + n] = g[n];                                   \
-                REAL *dA = a->dA + (th * dim + d0) * N;                                                   \
+                for (i64 n = 0; n < N; n++) dAT[j * N + n] += dAl[n];                                     \
                 for (int l = 0; l < nl; l++) {                                                            \
-                    for (i64 n = 0; n < N; n++) dA[l * N + n] += dAl[n][l];                               \
                     if (a->dD) a->dD[th * dim + d0 + l] += dDl[l];                                        \
                     if (a->dbias) a->dbias[th * dim + d0 + l] += dbl[l];                                  \
                 }                                                                                         \
@@ -558,8 +560,18 @@ typedef struct {
         }                                                                                                 \
     }                                                                                                     \
                                                                                                           \
+    /* X (dim, N) as nblk x N lane vectors: out[j * N + n] lane l = X[j * V + l, n] (zeros past dim) */   \
+    static void lanes_of_##SFX(const Args_##SFX *a, const REAL *X, VEC *out) {                            \
+        const i64 N = a->N;                                                                               \
+        for (i64 j = 0; j < a->nblk; j++) {                                                               \
+            const int nl = (int)(a->dim - j * V < V ? a->dim - j * V : V);                                \
+            for (i64 n = 0; n < N; n++) out[j * N + n] = lgather_##SFX(X + j * V * N + n, N, nl);         \
+        }                                                                                                 \
+    }                                                                                                     \
+                                                                                                          \
     static void *lfwd_range_##SFX(void *p) {                                                              \
         const Args_##SFX *a = p;                                                                          \
+        lanes_of_##SFX(a, a->A2, (VEC *)a->work);                                                         \
         if (a->N == 16)                                                                                   \
             for (i64 i = a->lo; i < a->hi; i++) lfwd_item_##SFX(a, i, 16);                                \
         else if (a->N == 8)                                                                               \
@@ -571,6 +583,11 @@ typedef struct {
                                                                                                           \
     static void *lbwd_range_##SFX(void *p) {                                                              \
         const Args_##SFX *a = p;                                                                          \
+        const i64 N = a->N, dim = a->dim;                                                                 \
+        VEC *A2T = (VEC *)a->work, *AT = A2T + a->nblk * N, *dAT = AT + a->nblk * N;                      \
+        lanes_of_##SFX(a, a->A2, A2T);                                                                    \
+        lanes_of_##SFX(a, a->A, AT);                                                                      \
+        memset(dAT, 0, sizeof(VEC) * a->nblk * N);                                                        \
         /* blocks per group of B and of C (a group holds whole blocks) */                                 \
         const i64 gb = a->gsB >= a->dim ? a->nblk : a->gsB / V;                                           \
         const i64 gc = a->gsC >= a->dim ? a->nblk : a->gsC / V;                                           \
@@ -589,12 +606,17 @@ typedef struct {
                 lbwd_seg_##SFX(a, b, j0, j1, a->N);                                                       \
             i = e;                                                                                        \
         }                                                                                                 \
+        REAL *dA = a->dA + a->th * dim * N; /* this thread's (dim, N) accumulator */                      \
+        for (i64 j = 0; j < a->nblk; j++)                                                                 \
+            for (i64 l = 0; l < V && j * V + l < dim; l++)                                                \
+                for (i64 n = 0; n < N; n++) dA[(j * V + l) * N + n] += dAT[j * N + n][l];                 \
         return NULL;                                                                                      \
     }                                                                                                     \
                                                                                                           \
+                                                                                                          \
     /* Splits the items (sequences, or channel blocks on the lane path) into contiguous ranges, one per   \
      * thread; returns 0 on success, -1 when a work buffer could not be allocated (nothing computed    \
-     * then). */                              \
+     * then). */                                                                                          \
     static int run_##SFX(Args_##SFX *a, int nthreads, void *(*fn)(void *), i64 items, i64 per) {          \
         if (nthreads > items) nthreads = (int)items;                                                      \
         if (nthreads < 1) nthreads = 1;                                                                   \
@@ -643,7 +665,8 @@ typedef struct {
         a.gsB = gsB, a.gsC = gsC;                                                                         \
         if (lanes) {                                                                                      \
             a.nblk = (a.dim + V - 1) / V;                                                                 \
-            return run_##SFX(&a, nthreads, lfwd_range_##SFX, a.batch * a.nblk, V);                        \
+            const i64 per = V * a.nblk * a.N; /* A2 as lane vectors */                                    \
+            return run_##SFX(&a, nthreads, lfwd_range_##SFX, a.batch * a.nblk, per);                      \
         }                                                                                                 \
         return run_##SFX(&a, nthreads, fwd_range_##SFX, a.batch * a.dim, 10 * a.T + (2 * a.T + 1) * a.N); \
     }                                                                                                     \
@@ -671,9 +694,10 @@ typedef struct {
         a.sB = (Strides){sB[0], 0, sB[1], sB[2]}, a.sC = (Strides){sC[0], 0, sC[1], sC[2]};               \
         a.pB = (Strides){pB[1], pB[0], pB[2], pB[3]}, a.pC = (Strides){pC[1], pC[0], pC[2], pC[3]};       \
         a.gsB = gsB, a.gsC = gsC;                                                                         \
-        if (lanes) { /* per thread: Hb, Ab, P (4T + 1 rows of N vectors), G, 4 chunk arrays */            \
+        if (lanes) { /* per thread: A2, A, dA lanes; Hb, Ab, P (4T + 1 rows of N vectors), G, 4 chunk     \
+                      * arrays */                                                                         \
             a.nblk = (a.dim + V - 1) / V;                                                                 \
-            const i64 per = V * ((4 * a.T + 1) * a.N + a.nblk * a.N + 4 * a.T);                           \
+            const i64 per = V * ((4 * a.T + 1) * a.N + 4 * a.nblk * a.N + 4 * a.T);                       \
             return run_##SFX(&a, nthreads, lbwd_range_##SFX, a.batch * a.nblk, per);                      \
         }                                                                                                 \
         return run_##SFX(&a, nthreads, bwd_range_##SFX, a.batch * a.dim, 10 * a.T + (2 * a.T + 1) * a.N); \
