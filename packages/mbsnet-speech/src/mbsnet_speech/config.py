@@ -110,16 +110,15 @@ def tiny_config(**overrides: Any) -> MBSNetConfig:
 
 def cpu_config(**overrides: Any) -> MBSNetConfig:
     """The CPU recipe's model (see CPU_RECIPE): 64 channels, 3 layers, bidirectional temporal Mamba (offline
-    enhancement), band log energy; ~0.22M parameters, trained on one thread in 20 minutes."""
-    # Chosen by 6-CPU-minute runs on 24 held-out train files (remixed pairs, -SI-SDR term, 1 thread;
-    # tools/mbsnet_short_runs.py), PESQ-wb / STOI change over noisy, SI-SDR:
-    #   48 ch, 2 layers, causal, no band energy   1,027 steps  +0.264 / -0.013 / 11.68 dB (no -SI-SDR)
-    #   48 ch, 2 layers, causal, band energy        999 steps  +0.298 / +0.000 / 12.02 dB (no -SI-SDR)
-    #   48 ch, 2 layers, causal                     951 steps  +0.339 / -0.014 / 13.31 dB
-    #   48 ch, 2 layers, bidirectional              713 steps  +0.267 / -0.002 / 13.06 dB
-    #   64 ch, 3 layers, bidirectional              396 steps  +0.277 / +0.004 / 11.57 dB
-    # The last matches the smaller ones with half their steps and gives the best STOI (the binding goal);
-    # the 20-minute budget is 2-3x these runs, where the larger model has the room to use it.
+    enhancement), band log energy, bands growing 16x (fine below 1 kHz); ~0.22M parameters, trained on one
+    thread in 20 minutes."""
+    # Chosen by CPU-time-budget runs on 24 held-out train files (remixed pairs, 1 thread;
+    # tools/mbsnet_short_runs.py; README "mbsnet-speech on a CPU"), PESQ-wb / STOI change over noisy:
+    #   session 4, 6 CPU-min: 48 ch 2 layers causal +0.339 / -0.014; 64 ch 3 layers bidirectional
+    #     +0.277 / +0.004 (the larger one matched the others with half their steps and kept STOI)
+    #   session 5, 10 CPU-min: bands growing 4x +0.352 / +0.006, 16x +0.312 / +0.011 (with the STFT term);
+    #     30 bands (BSRNN's split) at 48 ch +0.228 / +0.003 (half the steps)
+    #   session 5, 18 CPU-min: 64 ch +0.525 / +0.024 (2,690 steps), 96 ch +0.449 / +0.015 (1,784 steps)
     base = MBSNetConfig(
         num_bands=12,
         channels=64,
