@@ -152,6 +152,19 @@ def test_eval_writes_table_csv_and_spectrogram(trained, tmp_path, capsys):
     assert "mean (noisy -> enhanced)" in capsys.readouterr().out
 
 
+def test_pcs_follows_the_run_config_unless_a_flag_says_otherwise(trained, tmp_path):
+    """The CPU recipe's config turns PCS on; eval --pcs / --no-pcs override what the run saved."""
+    from mbsnet_speech.config import get_config
+
+    assert get_config("cpu").pcs and not get_config("default").pcs and not get_config("tiny").pcs
+    run_dir, _ = trained
+    common = ["--ckpt", str(run_dir), "--pairs", "1", "--seconds", "1.0"]
+    saved = eval.main([*common, "--out", str(tmp_path / "a")])  # the tiny run saved pcs off
+    off = eval.main([*common, "--no-pcs", "--out", str(tmp_path / "b")])
+    on = eval.main([*common, "--pcs", "--out", str(tmp_path / "c")])
+    assert off["enhanced/si_sdr"] == saved["enhanced/si_sdr"] != on["enhanced/si_sdr"]
+
+
 def test_eval_on_folder_records_a_bad_file_and_goes_on(trained, tmp_path, make_voicebank):
     run_dir, _ = trained
     root = make_voicebank(tmp_path / "vb")

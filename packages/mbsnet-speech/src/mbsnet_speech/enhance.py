@@ -97,7 +97,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
     hidden_alias(p, "--ckpt", dest="run")  # the old spelling
     p.add_argument("--chunk_seconds", type=float, default=4.0)
     p.add_argument("--overlap_seconds", type=float, default=0.5)
-    p.add_argument("--pcs", action="store_true", help="perceptual contrast stretching of the output")
+    p.add_argument(
+        "--pcs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="perceptual contrast stretching of the output (default: the run's config; CPU recipe: on)",
+    )
     p.add_argument("--device", default="auto")
     add_threads_arg(p)
     args = p.parse_args(argv)
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     out_dir = eval_out_dir(args, src)
     try:
         run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
-        model = load_model(run, resolve_device(args.device), pcs=args.pcs or None)
+        model = load_model(run, resolve_device(args.device), pcs=args.pcs)
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     chunk, overlap = int(args.chunk_seconds * SAMPLE_RATE), int(args.overlap_seconds * SAMPLE_RATE)

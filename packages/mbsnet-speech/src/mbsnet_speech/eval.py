@@ -160,7 +160,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--pairs", type=int, default=16, help="generated pairs to evaluate")
     p.add_argument("--seconds", type=float, default=3.0, help="length of generated pairs")
     p.add_argument("--limit", type=int, default=None, help="evaluate at most this many files from --data")
-    p.add_argument("--pcs", action="store_true", help="perceptual contrast stretching of the output")
+    p.add_argument(
+        "--pcs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="perceptual contrast stretching of the output (default: the run's config; CPU recipe: on)",
+    )
     add_eval_args(p, "mbsnet-speech")
     hidden_alias(p, "--ckpt", dest="run")  # the old spelling
     args = p.parse_args(argv)
@@ -171,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     try:
         from mbsnet_speech.system import SYSTEM
 
-        pcs = {"pcs": True} if args.pcs else {}
+        pcs = {} if args.pcs is None else {"pcs": args.pcs}
         model, state = SYSTEM.load_model(run, resolve_device(args.device), **pcs)
         items = load_pairs(args.data, args.pairs, args.seconds, args.limit)
     except (FileNotFoundError, ValueError) as e:
