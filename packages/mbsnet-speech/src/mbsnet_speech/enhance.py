@@ -30,6 +30,16 @@ def load_model(run: str | Path | None, device: str | torch.device = "cpu", pcs: 
     return SYSTEM.load_model(run, device, **({} if pcs is None else {"pcs": pcs}))[0]
 
 
+def add_pcs_arg(p: argparse.ArgumentParser) -> None:
+    """--pcs / --no-pcs for eval and enhance: None (neither given) keeps what the run's config says."""
+    p.add_argument(
+        "--pcs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="perceptual contrast stretching of the output (default: the run's config; CPU recipe: on)",
+    )
+
+
 def enhance_array(
     fn: Callable[[torch.Tensor], torch.Tensor],
     wav: np.ndarray,
@@ -97,12 +107,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     hidden_alias(p, "--ckpt", dest="run")  # the old spelling
     p.add_argument("--chunk_seconds", type=float, default=4.0)
     p.add_argument("--overlap_seconds", type=float, default=0.5)
-    p.add_argument(
-        "--pcs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="perceptual contrast stretching of the output (default: the run's config; CPU recipe: on)",
-    )
+    add_pcs_arg(p)
     p.add_argument("--device", default="auto")
     add_threads_arg(p)
     args = p.parse_args(argv)

@@ -19,7 +19,7 @@ from memfit.training import resolve_device
 
 from mbsnet_speech.classical import wiener_enhance
 from mbsnet_speech.data import MIX_NOISE_KINDS, SAMPLE_RATE, find_pairs, heldout_pairs
-from mbsnet_speech.enhance import enhance_array, model_fn
+from mbsnet_speech.enhance import add_pcs_arg, enhance_array, model_fn
 from mbsnet_speech.metrics import PairResult, evaluate_pairs, pesq_score, si_sdr, stoi_score, summarise
 
 METRICS = ("pesq_wb", "pesq_nb", "stoi", "si_sdr")
@@ -160,12 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--pairs", type=int, default=16, help="generated pairs to evaluate")
     p.add_argument("--seconds", type=float, default=3.0, help="length of generated pairs")
     p.add_argument("--limit", type=int, default=None, help="evaluate at most this many files from --data")
-    p.add_argument(
-        "--pcs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="perceptual contrast stretching of the output (default: the run's config; CPU recipe: on)",
-    )
+    add_pcs_arg(p)
     add_eval_args(p, "mbsnet-speech")
     hidden_alias(p, "--ckpt", dest="run")  # the old spelling
     args = p.parse_args(argv)
