@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from mbsnet_speech.data import find_pairs
+from mbsnet_speech.data import find_pairs, mix
 from mbsnet_speech.metrics import pesq_score
 from mbsnet_speech.system import SYSTEM
 
@@ -55,8 +55,7 @@ def main() -> None:
             for lo, hi in OCTAVES:
                 band = ((hz >= lo) & (hz < hi))[:, None]
                 outs.append(wav(torch.where(band, oracle, mask), pha))
-            w = rng.standard_normal(len(clean))
-            outs.append(clean + w * np.sqrt((clean**2).mean() / (w**2).mean() / 1000))
+            outs.append(mix(clean, rng.standard_normal(len(clean)), 30.0))
             rows.append([pesq_score(clean, o) for o in outs])
             print(pairs.names[i], " ".join(f"{v:.2f}" for v in rows[-1]), flush=True)
     print(f"{state['path']} (step {state['step']}), {len(rows)} train-split files, 1 thread, PESQ-wb means:")

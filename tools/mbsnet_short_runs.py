@@ -22,9 +22,8 @@ import numpy as np
 import torch
 from mbsnet_speech.config import LossWeights, get_config
 from mbsnet_speech.data import PairFolder, PairRemix, find_pairs, folder_batch, mix_batch, pair_rng
-from mbsnet_speech.enhance import enhance_array, model_fn
+from mbsnet_speech.eval import score_model
 from mbsnet_speech.losses import enhancement_loss
-from mbsnet_speech.metrics import pesq_score, si_sdr, stoi_score
 from mbsnet_speech.model import MBSNet, count_params
 from mbsnet_speech.train import freeze_phase_head
 from memfit.loop import ema_avg_fn
@@ -108,33 +107,23 @@ def main() -> None:
                 f"{loss.item():.4f}",
                 {k: round(float(v), 4) for k, v in parts.items()},
             )
-    score(a, model, pairs, val_idx, step, "")
+    items = [(pairs.names[int(i)], *pairs.load(int(i))[::-1]) for i in val_idx]
+    noisy = score_model(None, items)
+    report(a, model, items, noisy, step, "")
     if ema is not None:
-        score(a, ema.module, pairs, val_idx, step, f" ema {a.ema:g}")
+        report(a, ema.module, items, noisy, step, f" ema {a.ema:g}")
 
 
-def score(a, model, pairs, val_idx, step: int, tag: str) -> None:
+def report(a, model, items, noisy: dict, step: int, tag: str) -> None:
+    """The RESULT line: the model's validation scores (eval.score_model) beside the noisy input's."""
     model.eval()
-    fn, res = model_fn(model), []
-    for i in val_idx:
-        c, n = pairs.load(int(i))
-        e = enhance_array(fn, n)
-        res.append(
-            [
-                pesq_score(c, n),
-                pesq_score(c, e),
-                stoi_score(c, n),
-                stoi_score(c, e),
-                si_sdr(c, n),
-                si_sdr(c, e),
-            ]
-        )
-    r = np.mean(res, axis=0)
+    r = score_model(model, items)
     print(
         f"RESULT {a.name}{tag} params {count_params(model) / 1e3:.1f}k steps {step} "
         f"({a.minutes:g} CPU min, 1 thread) "
-        f"val24 PESQ-wb {r[0]:.3f}->{r[1]:.3f} ({r[1] - r[0]:+.3f}) STOI {r[2]:.3f}->{r[3]:.3f} "
-        f"({r[3] - r[2]:+.3f}) SI-SDR {r[4]:.2f}->{r[5]:.2f}",
+        f"val24 PESQ-wb {noisy['pesq']:.3f}->{r['pesq']:.3f} ({r['pesq'] - noisy['pesq']:+.3f}) "
+        f"STOI {noisy['stoi']:.3f}->{r['stoi']:.3f} ({r['stoi'] - noisy['stoi']:+.3f}) "
+        f"SI-SDR {noisy['si_sdr']:.2f}->{r['si_sdr']:.2f}",
         flush=True,
     )
 
