@@ -3,19 +3,25 @@
     uv run python tools/bench_mbsnet.py --threads 2          # median seconds per step (fp32, recompute)
     uv run python tools/bench_mbsnet.py --threads 1 --batch 2 --steps 1 --profile   # where the time goes
     uv run python tools/bench_mbsnet.py --amp bf16           # bf16 autocast (the scan stays fp32)
+    uv run python tools/bench_mbsnet.py --no-checkpointing   # keep activations instead of recomputing
+    MEMFIT_KEEP_FREED=0 uv run python tools/bench_mbsnet.py  # malloc's defaults (memfit.cpu)
 
 A step is what ``mbsnet-train --config default`` runs: forward with each encoder layer recomputed in
-backward, MP-SENet losses, backward, AdamW, on random (noisy, clean) audio. ``--quick`` runs the tiny
+backward, MP-SENet losses, backward, AdamW, on random (noisy, clean) audio, with malloc reusing freed
+blocks as the trainer sets it (``memfit.cpu.keep_freed_memory``). ``--quick`` runs the tiny
 CPU recipe's model instead (seconds).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import resource
 import statistics
 import time
 
 import torch
+from memfit.cpu import keep_freed_memory
 from mbsnet_speech.config import default_config, tiny_config
 from mbsnet_speech.system import train_step
 
@@ -30,6 +36,9 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="crop length")
     p.add_argument("--amp", choices=["none", "bf16"], default="none", help="CPU training runs fp32")
     p.add_argument("--quick", action="store_true", help="the tiny CPU-recipe model")
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute each encoder layer in backward (the config's default; "
+                        "--no-checkpointing keeps the activations: more memory, less compute)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print the top ops of one more step")
     args = p.parse_args(argv)
     if (
@@ -42,7 +51,9 @@ def main(argv=None) -> None:
         raise SystemExit(2)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    malloc = "reusing freed blocks" if keep_freed_memory() else "malloc defaults"
     cfg = tiny_config() if args.quick else default_config()
+    cfg = dataclasses.replace(cfg, checkpoint=args.checkpointing and cfg.checkpoint)
     amp = torch.bfloat16 if args.amp == "bf16" else None
     step = train_step(cfg, args.batch, int(args.seconds * cfg.sample_rate), amp=amp)
     torch.manual_seed(0)
@@ -62,11 +73,13 @@ def main(argv=None) -> None:
 
     name = "tiny" if args.quick else "default"
     print(f"MBS-Net {name} config, {n_params / 1e6:.2f}M params, batch {args.batch}, "
-          f"{args.seconds:g} s crops, {args.amp}, {torch.get_num_threads()} thread(s)")  # fmt: skip
+          f"{args.seconds:g} s crops, {args.amp}, recompute {'on' if cfg.checkpoint else 'off'}, "
+          f"{torch.get_num_threads()} thread(s), {malloc}")  # fmt: skip
     warm = one()
     times = [one() for _ in range(args.steps)]
     print(f"  warm-up {warm:.2f} s; steps {', '.join(f'{t:.2f}' for t in times)} s; "
-          f"median {statistics.median(times):.2f} s/step (goal <= 10 s on 2 cores)")  # fmt: skip
+          f"median {statistics.median(times):.2f} s/step (goal <= 10 s on 2 cores); "
+          f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")  # fmt: skip
     if args.profile:
         from torch.profiler import profile
 

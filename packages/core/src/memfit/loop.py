@@ -39,6 +39,7 @@ from memfit.checkpoint import (
     write_atomic,
 )
 from memfit.config import config_dict, config_difference
+from memfit.cpu import keep_freed_memory
 from memfit.distributed import init_distributed, resolve_device
 from memfit.errors import UsageError, os_error_message
 from memfit.flags import UNTIL_BUDGET, LoopConfig
@@ -155,6 +156,8 @@ class Trainer:
         self.best_step: int | None = None
         self.stopped_early = False
         self.device = resolve_device(self.cfg.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # reuse freed activation blocks instead of page-faulting them in every step
         self.dist = init_distributed(self.device)
         self.run_dir = Path(self.cfg.run_dir)
         self.folder = RunFolder(self.run_dir)

@@ -64,9 +64,9 @@ class MambaConfig:
 
 
 def _fused_cpu(x: torch.Tensor) -> bool:
-    """CPU tensors, outside autocast, with the fused kernels built (memfit/_scan_kernel.c). Fake tensors
-    (memory estimates) take it too: same allocations, the C call skipped."""
-    if x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+    """CPU tensors with the fused kernels built (memfit/_scan_kernel.c). Fake tensors (memory estimates)
+    take it too: same allocations, the C call skipped."""
+    if x.device.type != "cpu":
         return False
     from memfit import _scan_kernel
 
@@ -77,7 +77,8 @@ class _ConvSiLU(torch.autograd.Function):
     """silu(depthwise causal conv1d) on CPU in C, channels last: x (batch, d, L), typically a transposed
     view of a (batch, L, d) projection, read in place; the result is a (batch, d, L) view of a
     (batch, L, d) tensor, the layout x_proj and the scan read without copies. Backward recomputes the
-    pre-activation instead of keeping it."""
+    pre-activation instead of keeping it. The kernel computes in fp32 (fp64 for fp64 x); bf16/fp16 x (under
+    autocast) is cast on the way in and the result cast back to x's dtype, as autocast's conv1d gives."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -85,18 +86,17 @@ class _ConvSiLU(torch.autograd.Function):
 
         batch, dim, L = x.shape
         k = weight.shape[-1]
-        xt = x.transpose(1, 2)
-        if xt.stride(2) != 1:
-            xt = xt.contiguous()
-        wt = weight.detach().reshape(dim, k).t().contiguous().to(x.dtype)
-        b = bias.detach().to(x.dtype).contiguous() if bias is not None else None
-        u = x.new_empty((batch, L, dim))
-        sfx = "f64" if x.dtype == torch.float64 else "f32"
+        cd = ssm._compute_dtype(x)
+        xt = _channels_last(x, cd)
+        wt = weight.detach().reshape(dim, k).t().contiguous().to(cd)
+        b = bias.detach().to(cd).contiguous() if bias is not None else None
+        u = x.new_empty((batch, L, dim), dtype=cd)
+        sfx = "f64" if cd == torch.float64 else "f32"
         if not ssm._is_fake(x):
             K.call(f"conv_fwd_{sfx}", K.ints(batch, L, dim, k), K.ptr(xt), K.ints(xt.stride(0), xt.stride(1)),
                    K.ptr(wt), K.ptr(b), K.ptr(u), torch.get_num_threads())  # fmt: skip
         ctx.save_for_backward(x, weight, bias)
-        return u.transpose(1, 2)
+        return u.to(x.dtype).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, gu):
@@ -106,22 +106,29 @@ class _ConvSiLU(torch.autograd.Function):
         batch, dim, L = x.shape
         k = weight.shape[-1]
         nth = max(1, min(torch.get_num_threads(), batch))
-        xt = x.transpose(1, 2)
-        if xt.stride(2) != 1:
-            xt = xt.contiguous()
-        wt = weight.detach().reshape(dim, k).t().contiguous().to(x.dtype)
-        b = bias.detach().to(x.dtype).contiguous() if bias is not None else None
-        gut = gu.transpose(1, 2).contiguous()
-        gx = x.new_empty((batch, L, dim))
-        gw = x.new_zeros((nth, k, dim))
-        gb = x.new_zeros((nth, dim)) if bias is not None else None
-        sfx = "f64" if x.dtype == torch.float64 else "f32"
+        cd = ssm._compute_dtype(x)
+        xt = _channels_last(x, cd)
+        wt = weight.detach().reshape(dim, k).t().contiguous().to(cd)
+        b = bias.detach().to(cd).contiguous() if bias is not None else None
+        gut = gu.transpose(1, 2).to(cd).contiguous()
+        gx = x.new_empty((batch, L, dim), dtype=cd)
+        gw = x.new_zeros((nth, k, dim), dtype=cd)
+        gb = x.new_zeros((nth, dim), dtype=cd) if bias is not None else None
+        sfx = "f64" if cd == torch.float64 else "f32"
         if not ssm._is_fake(x):
             K.call(f"conv_bwd_{sfx}", K.ints(batch, L, dim, k), K.ptr(xt), K.ints(xt.stride(0), xt.stride(1)),
                    K.ptr(wt), K.ptr(b), K.ptr(gut), K.ptr(gx), K.ptr(gw), K.ptr(gb), nth)  # fmt: skip
         gw = gw.sum(0).t().reshape(weight.shape).to(weight.dtype)
         gb = gb.sum(0).to(bias.dtype) if gb is not None else None
-        return gx.transpose(1, 2), gw, gb
+        return gx.to(x.dtype).transpose(1, 2), gw, gb
+
+
+def _channels_last(x: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    """(batch, d, L) x as a (batch, L, d) tensor of dtype cd with d contiguous (a view when it is one)."""
+    xt = x.transpose(1, 2)
+    if xt.dtype != cd:
+        xt = xt.to(cd)
+    return xt if xt.stride(2) == 1 else xt.contiguous()
 
 
 class Mamba(nn.Module):
@@ -164,7 +171,7 @@ class Mamba(nn.Module):
         if self.config.use_kernels and _causal_conv1d_fn is not None and x.is_cuda:
             w = self.conv1d.weight.squeeze(1)
             return _causal_conv1d_fn(x, w, self.conv1d.bias, activation="silu")
-        if self.config.use_kernels and x.dtype in (torch.float32, torch.float64) and _fused_cpu(x):
+        if self.config.use_kernels and x.is_floating_point() and _fused_cpu(x):
             return _ConvSiLU.apply(x, self.conv1d.weight, self.conv1d.bias)
         return F.silu(self.conv1d(x)[..., : x.shape[-1]])  # left padding only: trim the look-ahead outputs
 

@@ -511,6 +511,17 @@ def _cd_or_none(x: torch.Tensor | None, cd: torch.dtype, contiguous: bool = Fals
     return x.contiguous() if contiguous else x
 
 
+def _bdl_cd(x: torch.Tensor | None, cd: torch.dtype) -> torch.Tensor | None:
+    """A (batch, dim, L) tensor in dtype cd, keeping a channel stride of 1 through the cast (``to`` makes a
+    non-dense view such as half of a projection's output contiguous in (batch, dim, L), which would put
+    bf16 inputs under autocast off the lane path)."""
+    if x is None or x.dtype == cd:
+        return x
+    if x.dim() == 3 and x.stride(1) == 1:
+        return x.transpose(1, 2).to(cd).transpose(1, 2)
+    return x.to(cd)
+
+
 class _FusedScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_size):
@@ -524,7 +535,7 @@ class _FusedScan(torch.autograd.Function):
             cd = _compute_dtype(u)
             sfx = "f64" if cd == torch.float64 else "f32"
             A2 = (A.to(cd) * (_LOG2E if sfx == "f32" else 1.0)).contiguous()
-            uc, dl, zc = u.to(cd), delta.to(cd), _cd_or_none(z, cd)
+            uc, dl, zc = _bdl_cd(u, cd), _bdl_cd(delta, cd), _bdl_cd(z, cd)
             Dc, bias = _cd_or_none(D, cd, True), _cd_or_none(delta_bias, cd, True)
             Bk, sB, gsB = _bc_kernel_layout(B, dim, cd)
             Ck, sC, gsC = _bc_kernel_layout(C, dim, cd)
@@ -558,7 +569,7 @@ class _FusedScan(torch.autograd.Function):
             nth = max(1, min(torch.get_num_threads(), batch * dim))
             Ac = A.to(cd).contiguous()
             A2 = (Ac * (_LOG2E if sfx == "f32" else 1.0)).contiguous()
-            uc, dl, zc, go = u.to(cd), delta.to(cd), _cd_or_none(z, cd), _cd_or_none(dout, cd)
+            uc, dl, zc, go = _bdl_cd(u, cd), _bdl_cd(delta, cd), _bdl_cd(z, cd), _bdl_cd(dout, cd)
             Dc, bias = _cd_or_none(D, cd, True), _cd_or_none(delta_bias, cd, True)
             Bk, sB, gsB = _bc_kernel_layout(B, dim, cd)
             Ck, sC, gsC = _bc_kernel_layout(C, dim, cd)
