@@ -62,7 +62,7 @@ def bench(fn, q, k, v, g, repeat):
 
 def grid(args) -> list[dict]:
     """attention(window=w) (the path select_backend picks) vs causal SDPA, fwd+bwd, medians of alternated
-    repeats, over T and w; B x H x D = 12 x 4 x 32 (nanoGPT's CPU model) up to T 256, 1 x 12 x 64 above."""
+    repeats (each the mean of enough steps to last ~25 ms), over T and w; B x H x D = 12 x 4 x 32 (nanoGPT's CPU model) up to T 256, 1 x 12 x 64 above."""
     import statistics
 
     rows = []
@@ -78,11 +78,15 @@ def grid(args) -> list[dict]:
             times = {n: [] for n in fns}
             for fn in fns.values():
                 step(fn, q, k, v, g)  # warm-up
-            for r in range(args.repeat):
+            t0 = time.perf_counter()
+            step(fns["causal"], q, k, v, g)
+            inner = max(1, int(0.025 / (time.perf_counter() - t0)))  # >= ~25 ms per sample: a 2 ms step
+            for r in range(args.repeat):  # is below the CPU clock's useful resolution alone
                 for n in list(fns) if r % 2 == 0 else list(fns)[::-1]:
                     t0 = time.process_time()
-                    step(fns[n], q, k, v, g)
-                    times[n].append(time.process_time() - t0)
+                    for _ in range(inner):
+                        step(fns[n], q, k, v, g)
+                    times[n].append((time.process_time() - t0) / inner)
             c, wt = statistics.median(times["causal"]), statistics.median(times["window"])
             path = select_backend(q, k, v, window=w)
             rows.append({"T": T, "window": w, "B": B, "H": H, "D": D, "path": path, "causal_s": c,

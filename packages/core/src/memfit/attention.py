@@ -26,6 +26,7 @@ L 64..8192 and w 16..L/2 against causal SDPA; see that tool for the figures.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections import OrderedDict
@@ -50,7 +51,7 @@ BAND_GROUP_BYTES = 64 * 2**20
 # CPU dispatch for windows shorter than L (measured, see select_backend): the band path from L >= this many
 # windows, else SDPA per query block of max(w // 2, BLOCKS_MIN) queries.
 BAND_MIN_RATIO = 16
-BLOCKS_MIN = 64
+BLOCKS_MIN = 32
 
 
 def attention_ref(q, k, v, *, causal=False, window=None, scale=None):
@@ -389,11 +390,24 @@ def band_attention(q, k, v, window: int, scale: float | None = None, block: int 
 # ----------------------------------------------------------------------------------------------------
 
 
-def _window_mask(q0: int, q1: int, k0: int, window: int, device) -> torch.Tensor:
+def _build_window_mask(q0: int, q1: int, k0: int, window: int, device) -> torch.Tensor:
     """Bool (q1-q0, q1-k0): True where query q0+i may see key k0+j (k0+j <= q0+i < k0+j+window)."""
     i = torch.arange(q0, q1, device=device)[:, None]
     j = torch.arange(k0, q1, device=device)[None, :]
     return (j <= i) & (j > i - window)
+
+
+_cached_window_mask = functools.lru_cache(maxsize=64)(_build_window_mask)
+
+
+def _window_mask(q0: int, q1: int, k0: int, window: int, like: torch.Tensor) -> torch.Tensor:
+    """_build_window_mask for like's device, cached for real tensors (building it took ~3% of a T=64
+    step; SDPA never writes its mask); fake tensors (estimates) and torch.compile tracing build it."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(like, FakeTensor) or torch.compiler.is_compiling():
+        return _build_window_mask(q0, q1, k0, window, like.device)
+    return _cached_window_mask(q0, q1, k0, window, like.device)
 
 
 def sdpa_blocks(q, k, v, window: int, scale: float | None = None, block: int | None = None):
@@ -404,16 +418,15 @@ def sdpa_blocks(q, k, v, window: int, scale: float | None = None, block: int | N
     L = q.shape[-2]
     c = max(window // 2, BLOCKS_MIN) if block is None else block
     if c >= L or (block is None and 2 * c >= L):  # two blocks would cost about what one masked call does
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(0, L, 0, window, q.device),
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(0, L, 0, window, q),
                                               scale=scale)  # fmt: skip
-    outs, shared = [], None
+    outs = []
     for s in range(0, L, c):
         e, k0 = min(L, s + c), max(0, s - window + 1)
-        if k0 > 0 and e - s == c:  # interior block: the same mask every time
-            shared = _window_mask(s, e, k0, window, q.device) if shared is None else shared
-            mask = shared
+        if k0 > 0 and e - s == c:  # interior block: the mask depends on key - query offsets only
+            mask = _window_mask(0, c, 1 - window, window, q)
         else:
-            mask = _window_mask(s, e, k0, window, q.device)
+            mask = _window_mask(s, e, k0, window, q)
         outs.append(F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e], attn_mask=mask,
                                                    scale=scale))  # fmt: skip
     return torch.cat(outs, dim=-2)
@@ -482,9 +495,9 @@ def select_backend(q, k, v, *, causal=False, window=None) -> str:
         return "flash"
     if q.is_cuda:
         return "flex"
-    # CPU (tools/bench_attention.py --grid): SDPA on query blocks is 0.5-0.9x causal SDPA's time from
-    # L 128 to 4096 wherever L < 16 w, and one masked SDPA call ~1.0x at L <= 64; the band path wins
-    # once L >= 16 w (0.45x at L 2048, w 128; 0.16x at L 8192, w 256).
+    # CPU (tools/bench_attention.py --grid, README): SDPA on query blocks of max(w/2, 32) is 0.4-0.93x
+    # causal SDPA's time from L 128 to 4096 wherever L < 16 w, and one masked SDPA call (L <= 64) ~1.02x;
+    # the band path wins once L >= 16 w (0.45x at L 2048, w 128; 0.16x at L 8192, w 256).
     if BAND_MIN_RATIO * window <= L:
         return "band"
     return "blocks"
