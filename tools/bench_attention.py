@@ -62,7 +62,8 @@ def bench(fn, q, k, v, g, repeat):
 
 def grid(args) -> list[dict]:
     """attention(window=w) (the path select_backend picks) vs causal SDPA, fwd+bwd, medians of alternated
-    repeats (each the mean of enough steps to last ~25 ms), over T and w; B x H x D = 12 x 4 x 32 (nanoGPT's CPU model) up to T 256, 1 x 12 x 64 above."""
+    repeats (each the mean of enough steps to last ~25 ms), over T and w; B x H x D = 12 x 4 x 32
+    (nanoGPT's CPU model) up to T 256, 1 x 12 x 64 above."""
     import statistics
 
     rows = []

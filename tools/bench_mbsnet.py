@@ -21,9 +21,9 @@ import statistics
 import time
 
 import torch
-from memfit.cpu import keep_freed_memory
 from mbsnet_speech.config import default_config, tiny_config
 from mbsnet_speech.system import train_step
+from memfit.cpu import keep_freed_memory
 
 
 def main(argv=None) -> None:

@@ -1,10 +1,9 @@
-"""memfit.cpu.keep_freed_memory: a training step's large blocks are reused instead of page-faulted in again."""
+"""memfit.cpu.keep_freed_memory: a training step's large blocks are reused, not page-faulted in again."""
 
 import subprocess
 import sys
 
 import pytest
-
 from memfit import cpu
 
 # A bf16-autocast Mamba forward + backward whose activations (up to 44 MiB) pass malloc's mmap threshold:
