@@ -75,6 +75,19 @@ typedef double vf64 __attribute__((vector_size(LANES64 * 8)));
 
 static inline vf32 vsel_f32(vi32 m, vf32 a, vf32 b) { return (vf32)((m & (vi32)a) | (~m & (vi32)b)); }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* exp2_f32 on 16 lanes with AVX-512: the same clamp, reduction and polynomial; k = round(x) by
+ * vrndscaleps and 2^k applied by vscalefps (no integer round trip: 12 instructions instead of ~18) */
+static inline vf32 vexp2_f32(vf32 x) {
+    const __m512 xc = _mm512_min_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-125.0f)), _mm512_set1_ps(125.0f));
+    const __m512 k = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf32 f = (vf32)_mm512_sub_ps(xc, k) * 0.6931471805599453f;
+    const vf32 p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f +
+                   f * (8.3333338e-3f + f * (1.3888889e-3f + f * 1.9841270e-4f))))));
+    return (vf32)_mm512_scalef_ps((__m512)p, k);
+}
+#else
 /* exp2_f32 on every lane: the same reduction and polynomial (k = round(x) taken as trunc(x + 128.5) -
  * 128, exact in integers, so the compiler cannot reassociate it) */
 static inline vf32 vexp2_f32(vf32 x) {
@@ -87,6 +100,7 @@ static inline vf32 vexp2_f32(vf32 x) {
                    f * (8.3333338e-3f + f * (1.3888889e-3f + f * 1.9841270e-4f))))));
     return p * (vf32)((k + 127) << 23);
 }
+#endif
 
 static inline vf32 vsigmoid_f32(vf32 x) { return 1.0f / (1.0f + vexp2_f32(-1.4426950408889634f * x)); }
 
