@@ -1,15 +1,16 @@
 """MBS-Net training-step time on CPU at the default (paper-size) config: 2.62M parameters, batch 6, 2 s.
 
-    uv run python tools/bench_mbsnet.py --threads 2          # median seconds per step (fp32, recompute)
-    uv run python tools/bench_mbsnet.py --threads 1 --batch 2 --steps 1 --profile   # where the time goes
-    uv run python tools/bench_mbsnet.py --amp bf16           # bf16 autocast (the scan stays fp32)
-    uv run python tools/bench_mbsnet.py --no-checkpointing   # keep activations instead of recomputing
+    uv run python tools/bench_mbsnet.py --threads 2          # median s per step, as mbsnet-train runs it
+    uv run python tools/bench_mbsnet.py --checkpointing      # with layer recompute (the GPU setting)
+    uv run python tools/bench_mbsnet.py --amp none           # fp32 (the scan and conv are fp32 either way)
     MEMFIT_KEEP_FREED=0 uv run python tools/bench_mbsnet.py  # malloc's defaults (memfit.cpu)
+    uv run python tools/bench_mbsnet.py --threads 1 --batch 2 --steps 1 --profile   # where the time goes
 
-A step is what ``mbsnet-train --config default`` runs: forward with each encoder layer recomputed in
-backward, MP-SENet losses, backward, AdamW, on random (noisy, clean) audio, with malloc reusing freed
-blocks as the trainer sets it (``memfit.cpu.keep_freed_memory``). ``--quick`` runs the tiny
-CPU recipe's model instead (seconds).
+A step is what ``mbsnet-train --config default`` runs on a CPU: the paper recipe's bf16 autocast (Linear
+layers in bf16, the fused conv and scan in fp32), no layer recompute (the recipe's CPU choice; the config
+recomputes on a GPU), MP-SENet losses, backward and AdamW, on random (noisy, clean) audio, with malloc
+reusing freed blocks as the trainer sets it (``memfit.cpu.keep_freed_memory``). ``--quick`` runs the tiny
+CPU-recipe model instead (seconds).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import statistics
 import time
 
 import torch
-from mbsnet_speech.config import default_config, tiny_config
+from mbsnet_speech.config import PAPER_RECIPE, default_config, tiny_config
 from mbsnet_speech.system import train_step
 from memfit.cpu import keep_freed_memory
 
@@ -34,11 +35,13 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up (median)")
     p.add_argument("--batch", type=int, default=6)
     p.add_argument("--seconds", type=float, default=2.0, help="crop length")
-    p.add_argument("--amp", choices=["none", "bf16"], default="none", help="CPU training runs fp32")
+    p.add_argument("--amp", choices=["none", "bf16"], default=PAPER_RECIPE.amp,
+                   help="autocast dtype (default: the paper recipe's, %(default)s)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="the tiny CPU-recipe model")
-    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="recompute each encoder layer in backward (the config's default; "
-                        "--no-checkpointing keeps the activations: more memory, less compute)")  # fmt: skip
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction,
+                   default=bool(PAPER_RECIPE.cpu_checkpoint),
+                   help="recompute each encoder layer in backward (default: off, as mbsnet-train on a CPU; "
+                        "on is the config's GPU setting: less memory, more compute)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print the top ops of one more step")
     args = p.parse_args(argv)
     if (

@@ -174,9 +174,14 @@ class Recipe:
     eval_every: int = 200  # validation (PESQ-wb, STOI, SI-SDR on held-out files) every N steps
     val_files: int = 8
     ema: float = 0.0  # --ema: validate, keep and enhance with a moving average of the weights
+    # layer recompute when training on CPU without --checkpointing/--no-checkpointing (None: the preset's)
+    cpu_checkpoint: bool | None = None
 
 
-PAPER_RECIPE = Recipe(batch_size=6, seconds=2.0, lr=5e-4, steps=1000)
+# On CPU the paper config trains without layer recompute: recompute exists to fit a GPU's memory, and on
+# 2 cores it made a step 1.27x slower (11.7 vs 9.2 s, bf16, 2 threads; peak RSS 4.5 vs 6.4 GiB;
+# `tools/bench_mbsnet.py --checkpointing`, README "Training speed on CPU").
+PAPER_RECIPE = Recipe(batch_size=6, seconds=2.0, lr=5e-4, steps=1000, cpu_checkpoint=False)
 # The CPU recipe (`--config cpu`, and `auto` without a GPU); chosen by short measured runs, see README.
 CPU_RECIPE = Recipe(
     batch_size=4,

@@ -105,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def layer_recompute(args: argparse.Namespace, recipe: Recipe) -> bool | None:
+    """--checkpointing/--no-checkpointing, else the recipe's choice on CPU (None: the preset's)."""
+    if args.checkpointing is not None:
+        return args.checkpointing
+    if recipe.cpu_checkpoint is not None and resolve_device(args.device).type == "cpu":
+        return recipe.cpu_checkpoint
+    return None
+
+
 def resolve_recipe(args: argparse.Namespace) -> Recipe:
     """Fill the flags left unset from the recipe that fits this machine (auto) or the chosen preset."""
     if args.config == "auto":
@@ -217,8 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
         overrides["channels"] = args.channels
     if args.bidirectional:
         overrides["temporal_bidirectional"] = True
-    if args.checkpointing is not None:
-        overrides["checkpoint"] = args.checkpointing
+    recompute = layer_recompute(args, recipe)
+    if recompute is not None:
+        overrides["checkpoint"] = recompute
     if args.batch_size < 1 or args.seconds * SAMPLE_RATE < 400:
         raise SystemExit("error: --batch_size must be >= 1 and --seconds >= 0.025 (one STFT window)")
     crop = int(args.seconds * SAMPLE_RATE)
@@ -239,7 +249,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"mbsnet-train: {args.config} config, {count_params(model) / 1e6:.3f}M params, "
             f"batch {args.batch_size} x {args.seconds:g} s, lr {args.lr:g}, data: {source}, "
-            f"{torch.get_num_threads()} threads"
+            f"layer recompute {'on' if cfg.checkpoint else 'off'}, {torch.get_num_threads()} threads"
             + (f", budget {args.max_minutes:g} min" if args.max_minutes else ""),
             file=sys.stderr,
         )
