@@ -185,6 +185,41 @@ def test_lane_path_fp32_matches_fp64_reference(dim, N, L, chunk, layout, kernel_
     assert kernel_calls == [("scan_fwd_f32", 1), ("scan_bwd_f32", 1)]
 
 
+def test_lane_path_bf16_inputs_equal_fp32_inputs_then_rounded(monkeypatch):
+    """Under autocast a Mamba block passes bf16 u, delta, z and output gradient: the fp32 lane path reads
+    them as they are and writes y, du, ddelta, dz in bf16 (no cast copies), which must give exactly what
+    the same values in fp32 give, rounded to bf16 (round to nearest even, as torch's .to)."""
+    from memfit import _scan_kernel
+
+    if not fused_kernel_available():
+        pytest.skip("no C compiler here: the fused CPU kernel is not built")
+    bits, orig = [], _scan_kernel.call
+    monkeypatch.setattr(_scan_kernel, "call", lambda name, *a: bits.append((name, a[-2], a[-1])) or orig(name, *a))
+    bf16 = torch.bfloat16
+    inputs = make_inputs(batch=2, dim=37, L=19, N=16, dtype=torch.float32, seed=7, channels_last=True)
+    per_step = ("u", "delta", "z")
+    low = {k: v.transpose(1, 2).to(bf16).transpose(1, 2) if k in per_step else v for k, v in inputs.items()}
+    gy = torch.randn(2, 19, 37, generator=torch.Generator().manual_seed(8)).to(bf16).transpose(1, 2)
+
+    def fwd_bwd(ins, go):
+        ts = {k: v.detach().clone().requires_grad_() for k, v in ins.items()}
+        y, last = selective_scan(ts["u"], ts["delta"], ts["A"], ts["B"], ts["C"], ts["D"], z=ts["z"],
+                                 delta_bias=ts["delta_bias"], delta_softplus=True, return_last_state=True,
+                                 chunk_size=8)  # fmt: skip
+        y.backward(go)
+        return y, last, {k: t.grad for k, t in ts.items()}
+
+    y16, last16, g16 = fwd_bwd(low, gy)
+    y32, last32, g32 = fwd_bwd({k: v.float() for k, v in low.items()}, gy.float())
+    assert y16.dtype == bf16 and torch.equal(y16, y32.to(bf16))
+    assert torch.equal(last16, last32)
+    for k, g in g16.items():
+        assert g.dtype == low[k].dtype and torch.equal(g, g32[k].to(g.dtype)), k
+    # the lane path, with bf16 u, delta, z, y (forward) and u, delta, z, dout, du, ddelta, dz (backward)
+    assert bits[:2] == [("scan_fwd_f32", 1 | 2 | 4 | 16, 1), ("scan_bwd_f32", 255 - 16, 1)]
+    assert bits[2:] == [("scan_fwd_f32", 0, 1), ("scan_bwd_f32", 0, 1)]
+
+
 def test_lane_path_fp32_long_sequence_and_wide_decays(kernel_calls):
     """fp32 over many chunks with dt * A from ~0 to ~-60 (the exp2 clamp and the polynomial's range)."""
     inputs = make_inputs(batch=2, dim=48, L=300, N=16, dtype=torch.float32, seed=5, channels_last=True)

@@ -203,6 +203,64 @@ typedef struct {
     i64 b, d, g, t;
 } Strides;
 
+/* bf16 per-step tensors on the lane path (autocast): read widened to fp32, written rounded to nearest
+ * even as torch's .to(torch.bfloat16) (NaN stays NaN). Bits of Args.bfm say which tensors are bf16. */
+enum { BF_U = 1, BF_DELTA = 2, BF_Z = 4, BF_DOUT = 8, BF_Y = 16, BF_DU = 32, BF_DDELTA = 64, BF_DZ = 128 };
+/* what a Mamba block passes under bf16 autocast (compiled as constants: runtime bits slowed the loop) */
+#define BF_AUTOCAST_FWD (BF_U | BF_DELTA | BF_Z | BF_Y)
+#define BF_AUTOCAST_BWD (BF_U | BF_DELTA | BF_Z | BF_DOUT | BF_DU | BF_DDELTA | BF_DZ)
+
+static inline float bf16_f32(uint16_t h) {
+    const uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    return (uint16_t)((b & 0x7fffffffu) > 0x7f800000u ? (b >> 16) | 0x40u : rounded);
+}
+
+/* a whole lane vector of bf16 from / to p (contiguous) */
+static inline vf32 vload_bf16_f32(const uint16_t *p) {
+#if defined(__AVX512F__) && LANES32 == 16
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return (vf32)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+#else
+    vf32 v;
+    for (int l = 0; l < LANES32; l++) v[l] = bf16_f32(p[l]);
+    return v;
+#endif
+}
+
+static inline void vstore_bf16_f32(uint16_t *p, vf32 v) {
+#if defined(__AVX512BF16__) && LANES32 == 16
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v)); /* nearest even */
+#elif defined(__AVX512BW__) && LANES32 == 16
+    const __m512i b = _mm512_castps_si512((__m512)v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask((__m512)v, (__m512)v, _CMP_UNORD_Q);
+    const __m512i q = _mm512_or_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, q)));
+#else
+    for (int l = 0; l < LANES32; l++) p[l] = f32_bf16(v[l]);
+#endif
+}
+
+static inline vf64 vload_bf16_f64(const uint16_t *p) {
+    vf64 v;
+    for (int l = 0; l < LANES64; l++) v[l] = bf16_f32(p[l]);
+    return v;
+}
+
+static inline void vstore_bf16_f64(uint16_t *p, vf64 v) {
+    for (int l = 0; l < LANES64; l++) p[l] = f32_bf16((float)v[l]);
+}
+
 #define AT(P_, S_, B_, D_, T_) (P_)[(B_) * (S_).b + (D_) * (S_).d + (T_) * (S_).t]
 
 #define DEFINE_SCAN(REAL, SFX, EXP, SIGMOID, SOFTPLUS, VEC, V, VEXP, VSIGMOID, VSOFTPLUS, VSOFTPLUS_SIG) \
@@ -213,6 +271,7 @@ typedef struct {
         i64 gsB, gsC;                                                                                     \
         REAL *y, *starts, *last, *du, *ddelta, *dz, *dA, *dB, *dC, *dD, *dbias;                           \
         REAL *work; /* this thread's: 10 chunk arrays of T, then (T + 1) * N states, T * N decays */      \
+        int bfm;    /* BF_* bits: which per-step tensors are bf16 (lane path only) */                     \
     } Args_##SFX;                                                                                         \
                                                                                                           \
     /* dt (and raw = delta + bias) and u of steps s..e of item (b, d) into chunk arrays */                \
@@ -402,17 +461,33 @@ typedef struct {
         for (int l = 0; l < nl; l++) p[l * stride] = v[l];                                                \
     }                                                                                                     \
                                                                                                           \
-    /* per-step tensor P at (b, d0.., t) as lanes, and back */                                            \
-    static inline VEC lat_##SFX(const REAL *P, Strides S, i64 b, i64 d0, i64 t, int nl) {                 \
-        return lgather_##SFX(P + b * S.b + d0 * S.d + t * S.t, S.d, nl);                                  \
+    /* per-step tensor P at (b, d0.., t) as lanes, and back; bf: P holds bf16 */                          \
+    static inline VEC lat_##SFX(const REAL *P, Strides S, i64 b, i64 d0, i64 t, int nl, int bf) {         \
+        const i64 o = b * S.b + d0 * S.d + t * S.t;                                                       \
+        if (!bf) return lgather_##SFX(P + o, S.d, nl);                                                    \
+        const uint16_t *p = (const uint16_t *)(const void *)P + o;                                        \
+        VEC v = {0};                                                                                      \
+        if (nl == V && S.d == 1) return vload_bf16_##SFX(p);                                              \
+        for (int l = 0; l < nl; l++) v[l] = bf16_f32(p[l * S.d]);                                         \
+        return v;                                                                                         \
     }                                                                                                     \
                                                                                                           \
-    static inline void lst_##SFX(REAL *P, Strides S, i64 b, i64 d0, i64 t, int nl, VEC v) {               \
-        lscatter_##SFX(P + b * S.b + d0 * S.d + t * S.t, S.d, nl, v);                                     \
+    static inline void lst_##SFX(REAL *P, Strides S, i64 b, i64 d0, i64 t, int nl, VEC v, int bf) {       \
+        const i64 o = b * S.b + d0 * S.d + t * S.t;                                                       \
+        if (!bf) {                                                                                        \
+            lscatter_##SFX(P + o, S.d, nl, v);                                                            \
+            return;                                                                                       \
+        }                                                                                                 \
+        uint16_t *p = (uint16_t *)(void *)P + o;                                                          \
+        if (nl == V && S.d == 1) {                                                                        \
+            vstore_bf16_##SFX(p, v);                                                                      \
+            return;                                                                                       \
+        }                                                                                                 \
+        for (int l = 0; l < nl; l++) p[l * S.d] = f32_bf16((float)v[l]);                                  \
     }                                                                                                     \
                                                                                                           \
     static inline __attribute__((always_inline)) void lfwd_item_##SFX(const Args_##SFX *a_, i64 item,     \
-                                                                       const i64 N) {                     \
+                                                                       const i64 N, const int bfm) {      \
         const Args_##SFX args = *a_, *a = &args; /* a local copy: stores through the data pointers cannot \
                                                     change it, so its fields stay in registers */         \
         const i64 nb = a->nblk, b = item / nb, d0 = (item % nb) * V, L = a->L, T = a->T, dim = a->dim;    \
@@ -432,9 +507,9 @@ typedef struct {
                 REAL *st = a->starts + ((b * (nch - 1) + t / T - 1) * dim + d0) * N;                      \
                 for (i64 n = 0; n < N; n++) lscatter_##SFX(st + n, N, nl, h[n]);                          \
             }                                                                                             \
-            const VEC raw = lat_##SFX(a->delta, a->sdl, b, d0, t, nl) + bias;                             \
+            const VEC raw = lat_##SFX(a->delta, a->sdl, b, d0, t, nl, bfm & BF_DELTA) + bias;                             \
             const VEC dt = a->softplus ? VSOFTPLUS(raw) : raw;                                            \
-            const VEC uu = lat_##SFX(a->u, a->su, b, d0, t, nl);                                          \
+            const VEC uu = lat_##SFX(a->u, a->su, b, d0, t, nl, bfm & BF_U);                                          \
             const VEC x = dt * uu;                                                                        \
             const REAL *Bt = Bp + t * a->sB.t, *Ct = Cp + t * a->sC.t;                                    \
             VEC acc0 = Dv * uu, acc1 = {0};                                                               \
@@ -447,10 +522,10 @@ typedef struct {
             }                                                                                             \
             VEC y = acc0 + acc1;                                                                          \
             if (a->z) {                                                                                   \
-                const VEC zz = lat_##SFX(a->z, a->sz, b, d0, t, nl);                                      \
+                const VEC zz = lat_##SFX(a->z, a->sz, b, d0, t, nl, bfm & BF_Z);                                      \
                 y *= zz * VSIGMOID(zz);                                                                   \
             }                                                                                             \
-            lst_##SFX(a->y, a->sy, b, d0, t, nl, y);                                                      \
+            lst_##SFX(a->y, a->sy, b, d0, t, nl, y, bfm & BF_Y);                                                      \
         }                                                                                                 \
         REAL *last = a->last + (b * dim + d0) * N;                                                        \
         for (i64 n = 0; n < N; n++) lscatter_##SFX(last + n, N, nl, h[n]);                                \
@@ -462,7 +537,7 @@ typedef struct {
      * lane vectors, added to by every block) and reduced over lanes once per chunk. G holds each block's \
      * state gradient between chunks. */                                                                  \
     static inline __attribute__((always_inline)) void lbwd_seg_##SFX(const Args_##SFX *a_, i64 b, i64 j0, \
-                                                                      i64 j1, const i64 N) {              \
+                                                                      i64 j1, const i64 N, const int bfm) { \
         const Args_##SFX args = *a_, *a = &args; /* a local copy, as in lfwd_item */                      \
         const i64 L = a->L, T = a->T, th = a->th, dim = a->dim;                                           \
         const i64 nch = (L + T - 1) / T;                                                                  \
@@ -501,10 +576,10 @@ typedef struct {
                 }                                                                                         \
                 /* recompute: Hb row i + 1 = state after step s + i, Ab row i = its decays */             \
                 for (i64 i = 0; i < k; i++) {                                                             \
-                    const VEC r = lat_##SFX(a->delta, a->sdl, b, d0, s + i, nl) + bias;                   \
+                    const VEC r = lat_##SFX(a->delta, a->sdl, b, d0, s + i, nl, bfm & BF_DELTA) + bias;                   \
                     VEC sg = {0}; /* sigmoid(r), the softplus' derivative */                              \
                     const VEC dt = a->softplus ? VSOFTPLUS_SIG(r, &sg) : r;                               \
-                    const VEC uu = lat_##SFX(a->u, a->su, b, d0, s + i, nl);                              \
+                    const VEC uu = lat_##SFX(a->u, a->su, b, d0, s + i, nl, bfm & BF_U);                              \
                     const VEC x = dt * uu;                                                                \
                     const REAL *Bt = Bp + (s + i) * a->sB.t, *Ct = Cp + (s + i) * a->sC.t;                \
                     VEC acc0 = Dv * uu, acc1 = {0};                                                       \
@@ -523,14 +598,14 @@ typedef struct {
                 VEC dDl = {0}, dbl = {0};                                                                 \
                 for (i64 n = 0; n < N; n++) g[n] = G[(j - j0) * N + n], dAl[n] = (VEC){0};                \
                 for (i64 i = k - 1; i >= 0; i--) {                                                        \
-                    const VEC go = a->dout ? lat_##SFX(a->dout, a->sdo, b, d0, s + i, nl) : (VEC){0};     \
+                    const VEC go = a->dout ? lat_##SFX(a->dout, a->sdo, b, d0, s + i, nl, bfm & BF_DOUT) : (VEC){0};     \
                     VEC dy = go;                                                                          \
                     if (a->z) {                                                                           \
-                        const VEC zz = lat_##SFX(a->z, a->sz, b, d0, s + i, nl), sg = VSIGMOID(zz);       \
+                        const VEC zz = lat_##SFX(a->z, a->sz, b, d0, s + i, nl, bfm & BF_Z), sg = VSIGMOID(zz);       \
                         dy = go * zz * sg;                                                                \
                         const VEC one = (VEC){0} + 1;                                                     \
                         const VEC dzv = go * yp[i] * sg * (one + zz * (one - sg));                        \
-                        lst_##SFX(a->dz, a->sdz, b, d0, s + i, nl, dzv);                                  \
+                        lst_##SFX(a->dz, a->sdz, b, d0, s + i, nl, dzv, bfm & BF_DZ);                                  \
                     }                                                                                     \
                     const VEC uu = uv[i], dt = dtv[i], x = dt * uu;                                       \
                     dDl += dy * uu;                                                                       \
@@ -551,8 +626,8 @@ typedef struct {
                     VEC dd = W * uu + ddt;                                                                \
                     if (a->softplus) dd *= sgv[i];                                                        \
                     dbl += dd;                                                                            \
-                    lst_##SFX(a->du, a->sdu, b, d0, s + i, nl, dy * Dv + W * dt);                         \
-                    lst_##SFX(a->ddelta, a->sdd, b, d0, s + i, nl, dd);                                   \
+                    lst_##SFX(a->du, a->sdu, b, d0, s + i, nl, dy * Dv + W * dt, bfm & BF_DU);                         \
+                    lst_##SFX(a->ddelta, a->sdd, b, d0, s + i, nl, dd, bfm & BF_DDELTA);                                   \
                 }                                                                                         \
                 for (i64 n = 0; n < N; n++) G[(j - j0) * N + n] = g[n];                                   \
                 for (i64 n = 0; n < N; n++) dAT[j * N + n] += dAl[n];                                     \
@@ -586,12 +661,19 @@ typedef struct {
     static void *lfwd_range_##SFX(void *p) {                                                              \
         const Args_##SFX *a = p;                                                                          \
         lanes_of_##SFX(a, a->A2, (VEC *)a->work);                                                         \
-        if (a->N == 16)                                                                                   \
-            for (i64 i = a->lo; i < a->hi; i++) lfwd_item_##SFX(a, i, 16);                                \
+        /* N and "no bf16" as constants where it matters: the compiler then drops the bf16 branches */    \
+        if (a->N == 16 && !a->bfm)                                                                        \
+            for (i64 i = a->lo; i < a->hi; i++) lfwd_item_##SFX(a, i, 16, 0);                             \
+        else if (a->N == 8 && !a->bfm)                                                                    \
+            for (i64 i = a->lo; i < a->hi; i++) lfwd_item_##SFX(a, i, 8, 0);                              \
+        else if (a->N == 16 && a->bfm == BF_AUTOCAST_FWD) /* a Mamba block under bf16 autocast */       \
+            for (i64 i = a->lo; i < a->hi; i++) lfwd_item_##SFX(a, i, 16, BF_AUTOCAST_FWD);               \
+        else if (a->N == 16)                                                                              \
+            for (i64 i = a->lo; i < a->hi; i++) lfwd_item_##SFX(a, i, 16, a->bfm);                        \
         else if (a->N == 8)                                                                               \
-            for (i64 i = a->lo; i < a->hi; i++) lfwd_item_##SFX(a, i, 8);                                 \
+            for (i64 i = a->lo; i < a->hi; i++) lfwd_item_##SFX(a, i, 8, a->bfm);                         \
         else                                                                                              \
-            for (i64 i = a->lo; i < a->hi; i++) lfwd_item_##SFX(a, i, a->N);                              \
+            for (i64 i = a->lo; i < a->hi; i++) lfwd_item_##SFX(a, i, a->N, a->bfm);                      \
         return NULL;                                                                                      \
     }                                                                                                     \
                                                                                                           \
@@ -612,12 +694,18 @@ typedef struct {
             if (j1 > a->nblk) j1 = a->nblk;                                                               \
             if (b * a->nblk + j1 > a->hi) j1 = a->hi - b * a->nblk;                                       \
             const i64 e = b * a->nblk + j1;                                                               \
-            if (a->N == 16)                                                                               \
-                lbwd_seg_##SFX(a, b, j0, j1, 16);                                                         \
+            if (a->N == 16 && !a->bfm)                                                                    \
+                lbwd_seg_##SFX(a, b, j0, j1, 16, 0);                                                      \
+            else if (a->N == 8 && !a->bfm)                                                                \
+                lbwd_seg_##SFX(a, b, j0, j1, 8, 0);                                                       \
+            else if (a->N == 16 && a->bfm == BF_AUTOCAST_BWD)                                             \
+                lbwd_seg_##SFX(a, b, j0, j1, 16, BF_AUTOCAST_BWD);                                        \
+            else if (a->N == 16)                                                                          \
+                lbwd_seg_##SFX(a, b, j0, j1, 16, a->bfm);                                                 \
             else if (a->N == 8)                                                                           \
-                lbwd_seg_##SFX(a, b, j0, j1, 8);                                                          \
+                lbwd_seg_##SFX(a, b, j0, j1, 8, a->bfm);                                                  \
             else                                                                                          \
-                lbwd_seg_##SFX(a, b, j0, j1, a->N);                                                       \
+                lbwd_seg_##SFX(a, b, j0, j1, a->N, a->bfm);                                               \
             i = e;                                                                                        \
         }                                                                                                 \
         REAL *dA = a->dA + a->th * dim * N; /* this thread's (dim, N) accumulator */                      \
@@ -667,12 +755,12 @@ typedef struct {
                        const REAL *u, const i64 *su, const REAL *z, const i64 *sz, const REAL *D,         \
                        const REAL *A2, const REAL *B, const i64 *sB, i64 gsB, const REAL *C,              \
                        const i64 *sC, i64 gsC, REAL *y, const i64 *sy, REAL *starts, REAL *last,          \
-                       int nthreads, int lanes) {                                                         \
+                       int nthreads, int bfm, int lanes) {                                                \
         Args_##SFX a = {0};                                                                               \
         a.batch = dims[0], a.dim = dims[1], a.L = dims[2], a.N = dims[3], a.T = dims[4];                  \
         a.softplus = dims[5];                                                                             \
         a.delta = delta, a.bias = bias, a.u = u, a.z = z, a.D = D, a.A2 = A2, a.B = B, a.C = C;           \
-        a.y = y, a.starts = starts, a.last = last;                                                        \
+        a.y = y, a.starts = starts, a.last = last, a.bfm = lanes ? bfm : 0;                               \
         a.sdl = st3_##SFX(sdl), a.su = st3_##SFX(su), a.sy = st3_##SFX(sy);                               \
         if (z) a.sz = st3_##SFX(sz);                                                                      \
         a.sB = (Strides){sB[0], 0, sB[1], sB[2]}, a.sC = (Strides){sC[0], 0, sC[1], sC[2]};               \
@@ -694,14 +782,14 @@ typedef struct {
                        const REAL *C, const i64 *sC, i64 gsC, const REAL *starts, const REAL *dlast,      \
                        const REAL *dout, const i64 *sdo, REAL *du, const i64 *sdu, REAL *ddelta,          \
                        const i64 *sdd, REAL *dz, const i64 *sdz, REAL *dA, REAL *dB, const i64 *pB,       \
-                       REAL *dC, const i64 *pC, REAL *dD, REAL *dbias, int nthreads, int lanes) {         \
+                       REAL *dC, const i64 *pC, REAL *dD, REAL *dbias, int nthreads, int bfm, int lanes) { \
         Args_##SFX a = {0};                                                                               \
         a.batch = dims[0], a.dim = dims[1], a.L = dims[2], a.N = dims[3], a.T = dims[4];                  \
         a.softplus = dims[5];                                                                             \
         a.delta = delta, a.bias = bias, a.u = u, a.z = z, a.D = D, a.A2 = A2, a.A = A, a.B = B, a.C = C;  \
         a.starts = (REAL *)starts, a.dlast = dlast, a.dout = dout;                                        \
         a.du = du, a.ddelta = ddelta, a.dz = dz, a.dA = dA, a.dB = dB, a.dC = dC, a.dD = dD;              \
-        a.dbias = dbias;                                                                                  \
+        a.dbias = dbias, a.bfm = lanes ? bfm : 0;                                                         \
         a.sdl = st3_##SFX(sdl), a.su = st3_##SFX(su), a.sdu = st3_##SFX(sdu), a.sdd = st3_##SFX(sdd);     \
         if (z) a.sz = st3_##SFX(sz), a.sdz = st3_##SFX(sdz);                                              \
         if (dout) a.sdo = st3_##SFX(sdo);                                                                 \

@@ -85,9 +85,9 @@ def library() -> ctypes.CDLL | None:
         warnings.warn(msg, stacklevel=3)
         return None
     _C = ctypes.c_int
-    fwd = [_S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _P, _S, _I, _P, _S, _I, _P, _S, _P, _P, _C, _C]
+    fwd = [_S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _P, _S, _I, _P, _S, _I, _P, _S, _P, _P, _C, _C, _C]
     bwd = [_S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _P, _P, _S, _I, _P, _S, _I, _P, _P, _P, _S, _P, _S,
-           _P, _S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _C, _C]  # fmt: skip
+           _P, _S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _C, _C, _C]  # fmt: skip
     conv_fwd = [_S, _P, _S, _P, _P, _P, ctypes.c_int]
     conv_bwd = [_S, _P, _S, _P, _P, _P, _P, _P, _P, ctypes.c_int]
     signatures = {"scan_fwd": fwd, "scan_bwd": bwd, "conv_fwd": conv_fwd, "conv_bwd": conv_bwd}

@@ -522,6 +522,27 @@ def _bdl_cd(x: torch.Tensor | None, cd: torch.dtype) -> torch.Tensor | None:
     return x.to(cd)
 
 
+# Bits telling the kernel which per-step tensors it reads or writes as bf16 (BF_* in _scan_kernel.c).
+_BF_U, _BF_DELTA, _BF_Z, _BF_DOUT, _BF_Y, _BF_DU, _BF_DDELTA, _BF_DZ = (1 << i for i in range(8))
+
+
+def _kernel_bdl(x: torch.Tensor | None, cd: torch.dtype, bit: int, lanes: bool) -> tuple:
+    """(tensor, bit) for a per-step (batch, dim, L) input: bf16 is read as it is on the fp32 lane path
+    (under autocast: no cast, no copy), anything else is cast to the compute dtype."""
+    if lanes and x is not None and x.dtype == torch.bfloat16 and cd == torch.float32:
+        return x, bit
+    return _bdl_cd(x, cd), 0
+
+
+def _kernel_out(like: torch.Tensor | None, cd: torch.dtype, bit: int, lanes: bool) -> tuple:
+    """(output, bit): a (batch, dim, L) view of a new (batch, L, dim) tensor, written by the kernel in
+    like's dtype when that is bf16 on the fp32 lane path, else in the compute dtype."""
+    if like is None:
+        return None, 0
+    bf = lanes and like.dtype == torch.bfloat16 and cd == torch.float32
+    return _new_bld(like, torch.bfloat16 if bf else cd).transpose(1, 2), bit if bf else 0
+
+
 class _FusedScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_size):
@@ -535,12 +556,13 @@ class _FusedScan(torch.autograd.Function):
             cd = _compute_dtype(u)
             sfx = "f64" if cd == torch.float64 else "f32"
             A2 = (A.to(cd) * (_LOG2E if sfx == "f32" else 1.0)).contiguous()
-            uc, dl, zc = _bdl_cd(u, cd), _bdl_cd(delta, cd), _bdl_cd(z, cd)
+            lanes = _lane_path_fits(B, C, dim, sfx, u, delta, z)  # casts below keep the channel stride
+            (uc, b1), (dl, b2), (zc, b3) = (_kernel_bdl(x, cd, bit, lanes) for x, bit in
+                                            ((u, _BF_U), (delta, _BF_DELTA), (z, _BF_Z)))  # fmt: skip
             Dc, bias = _cd_or_none(D, cd, True), _cd_or_none(delta_bias, cd, True)
             Bk, sB, gsB = _bc_kernel_layout(B, dim, cd)
             Ck, sC, gsC = _bc_kernel_layout(C, dim, cd)
-            y = _new_bld(u, cd).transpose(1, 2)
-            lanes = _lane_path_fits(B, C, dim, sfx, uc, dl, zc)
+            y, b4 = _kernel_out(u, cd, _BF_Y, lanes)
             starts = u.new_empty((batch, n_chunks - 1, dim, N), dtype=cd)
             last = u.new_empty((batch, dim, N), dtype=cd)
             if not _is_fake(u):  # fake tensors: the allocations above are all an estimate needs
@@ -548,7 +570,7 @@ class _FusedScan(torch.autograd.Function):
                     f"scan_fwd_{sfx}", K.ints(batch, dim, L, N, T, int(delta_softplus)), K.ptr(dl), K.bdl(dl),
                     K.ptr(bias), K.ptr(uc), K.bdl(uc), K.ptr(zc), K.bdl(zc), K.ptr(Dc), K.ptr(A2), K.ptr(Bk),
                     K.ints(*sB), gsB, K.ptr(Ck), K.ints(*sC), gsC, K.ptr(y), K.bdl(y), K.ptr(starts),
-                    K.ptr(last), torch.get_num_threads(), int(lanes),
+                    K.ptr(last), torch.get_num_threads(), b1 | b2 | b3 | b4, int(lanes),
                 )  # fmt: skip
         ctx.delta_softplus = delta_softplus
         ctx.chunk_size = T
@@ -569,20 +591,20 @@ class _FusedScan(torch.autograd.Function):
             nth = max(1, min(torch.get_num_threads(), batch * dim))
             Ac = A.to(cd).contiguous()
             A2 = (Ac * (_LOG2E if sfx == "f32" else 1.0)).contiguous()
-            uc, dl, zc, go = _bdl_cd(u, cd), _bdl_cd(delta, cd), _bdl_cd(z, cd), _bdl_cd(dout, cd)
+            lanes = _lane_path_fits(B, C, dim, sfx, u, delta, z, dout)  # either path continues either one
+            (uc, b1), (dl, b2), (zc, b3), (go, b4) = (_kernel_bdl(x, cd, bit, lanes) for x, bit in
+                ((u, _BF_U), (delta, _BF_DELTA), (z, _BF_Z), (dout, _BF_DOUT)))  # fmt: skip
             Dc, bias = _cd_or_none(D, cd, True), _cd_or_none(delta_bias, cd, True)
             Bk, sB, gsB = _bc_kernel_layout(B, dim, cd)
             Ck, sC, gsC = _bc_kernel_layout(C, dim, cd)
-            du = _new_bld(u, cd).transpose(1, 2)
-            ddelta = _new_bld(u, cd).transpose(1, 2)
-            dz = _new_bld(u, cd).transpose(1, 2) if z is not None else None
+            (du, b5), (ddelta, b6), (dz, b7) = (_kernel_out(like, cd, bit, lanes) for like, bit in
+                                                ((u, _BF_DU), (delta, _BF_DDELTA), (z, _BF_DZ)))  # fmt: skip
             dA = u.new_zeros((nth, dim, N), dtype=cd)
             dB, pB = _grad_accumulator(B, nth, cd)
             dC, pC = _grad_accumulator(C, nth, cd)
             dD = u.new_zeros((nth, dim), dtype=cd) if D is not None else None
             dbias = u.new_zeros((nth, dim), dtype=cd) if delta_bias is not None else None
             dl_last = _cd_or_none(dlast, cd, True)
-            lanes = _lane_path_fits(B, C, dim, sfx, uc, dl, zc, go)  # either path continues either one
             if not _is_fake(u):
                 K.call(
                     f"scan_bwd_{sfx}", K.ints(batch, dim, L, N, ctx.chunk_size, int(ctx.delta_softplus)),
@@ -590,7 +612,7 @@ class _FusedScan(torch.autograd.Function):
                     K.ptr(A2), K.ptr(Ac), K.ptr(Bk), K.ints(*sB), gsB, K.ptr(Ck), K.ints(*sC), gsC,
                     K.ptr(starts), K.ptr(dl_last), K.ptr(go), K.bdl(go), K.ptr(du), K.bdl(du), K.ptr(ddelta),
                     K.bdl(ddelta), K.ptr(dz), K.bdl(dz), K.ptr(dA), K.ptr(dB), K.ints(*pB), K.ptr(dC),
-                    K.ints(*pC), K.ptr(dD), K.ptr(dbias), nth, int(lanes),
+                    K.ints(*pC), K.ptr(dD), K.ptr(dbias), nth, b1 | b2 | b3 | b4 | b5 | b6 | b7, int(lanes),
                 )  # fmt: skip
 
         def cast(g, like):
