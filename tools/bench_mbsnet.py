@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice, all cores; on 2 cores 2 threads measured "
                         "faster than 1: 32.7 s vs ~48 s per step, 2026-11-22)")  # fmt: skip
-    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up (median)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps after two warm-up ones (median)")
     p.add_argument("--batch", type=int, default=6)
     p.add_argument("--seconds", type=float, default=2.0, help="crop length")
     p.add_argument("--amp", choices=["none", "bf16"], default=PAPER_RECIPE.amp,
@@ -82,7 +82,8 @@ def main(argv=None) -> None:
     # faults: 1.3 M in the first step, 85 k in the second, ~0 from the fourth on; no recompute, bf16)
     warm = [one() for _ in range(2)]
     times = [one() for _ in range(args.steps)]
-    print(f"  warm-up {', '.join(f'{t:.2f}' for t in warm)} s; steps {', '.join(f'{t:.2f}' for t in times)} s; "
+    shown = ", ".join(f"{t:.2f}" for t in times)
+    print(f"  warm-up {', '.join(f'{t:.2f}' for t in warm)} s; steps {shown} s; "
           f"median {statistics.median(times):.2f} s/step (goal <= 10 s on 2 cores); "
           f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")  # fmt: skip
     if args.profile:

@@ -194,7 +194,8 @@ def test_lane_path_bf16_inputs_equal_fp32_inputs_then_rounded(monkeypatch):
     if not fused_kernel_available():
         pytest.skip("no C compiler here: the fused CPU kernel is not built")
     bits, orig = [], _scan_kernel.call
-    monkeypatch.setattr(_scan_kernel, "call", lambda name, *a: bits.append((name, a[-2], a[-1])) or orig(name, *a))
+    record = lambda name, *a: bits.append((name, a[-2], a[-1])) or orig(name, *a)  # noqa: E731
+    monkeypatch.setattr(_scan_kernel, "call", record)
     bf16 = torch.bfloat16
     inputs = make_inputs(batch=2, dim=37, L=19, N=16, dtype=torch.float32, seed=7, channels_last=True)
     per_step = ("u", "delta", "z")
