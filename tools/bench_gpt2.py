@@ -64,7 +64,7 @@ def bench_speed(threads: int, repeat: int, steps: int, window: int) -> dict:
     import sys
 
     import torch
-    from gpt2_window.config import preset
+    from gpt2_window.config import get_config
     from gpt2_window.model import GPT
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -75,9 +75,9 @@ def bench_speed(threads: int, repeat: int, steps: int, window: int) -> dict:
     vocab, B, T = 65, 12, 64
     models = {
         "nanoGPT-equivalent (tools/nanogpt_ref.py)": RefGPT(vocab),
-        "gpt2-window causal (tiny)": GPT(preset("tiny", vocab_size=vocab)),
+        "gpt2-window causal (tiny)": GPT(get_config("tiny", vocab_size=vocab)),
         f"gpt2-window window {window} (tiny_window)": GPT(
-            preset("tiny_window", vocab_size=vocab, window=window)
+            get_config("tiny_window", vocab_size=vocab, window=window)
         ),
     }
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-3) for k, m in models.items()}
