@@ -185,10 +185,13 @@ def test_lane_path_fp32_matches_fp64_reference(dim, N, L, chunk, layout, kernel_
     assert kernel_calls == [("scan_fwd_f32", 1), ("scan_bwd_f32", 1)]
 
 
-def test_lane_path_bf16_inputs_equal_fp32_inputs_then_rounded(monkeypatch):
+@pytest.mark.parametrize(("N", "gate", "tiny"), [(16, True, False), (16, True, True), (8, False, False)])
+def test_lane_path_bf16_inputs_equal_fp32_inputs_then_rounded(monkeypatch, N, gate, tiny):
     """Under autocast a Mamba block passes bf16 u, delta, z and output gradient: the fp32 lane path reads
     them as they are and writes y, du, ddelta, dz in bf16 (no cast copies), which must give exactly what
-    the same values in fp32 give, rounded to bf16 (round to nearest even, as torch's .to)."""
+    the same values in fp32 give, rounded to bf16 as torch's .to rounds (to nearest even; subnormal outputs
+    too, with ``tiny`` u). N 16 with the gate is the kernel's compiled-in autocast case; N 8 without z
+    takes its general bf16 branches."""
     from memfit import _scan_kernel
 
     if not fused_kernel_available():
@@ -197,14 +200,18 @@ def test_lane_path_bf16_inputs_equal_fp32_inputs_then_rounded(monkeypatch):
     record = lambda name, *a: bits.append((name, a[-2], a[-1])) or orig(name, *a)  # noqa: E731
     monkeypatch.setattr(_scan_kernel, "call", record)
     bf16 = torch.bfloat16
-    inputs = make_inputs(batch=2, dim=37, L=19, N=16, dtype=torch.float32, seed=7, channels_last=True)
+    inputs = make_inputs(batch=2, dim=37, L=19, N=N, dtype=torch.float32, seed=7, channels_last=True)
+    if tiny:  # y ~ D * u + ... ~ 1e-39: subnormal in fp32 and in bf16
+        inputs["u"] = inputs["u"] * 1e-39
     per_step = ("u", "delta", "z")
     low = {k: v.transpose(1, 2).to(bf16).transpose(1, 2) if k in per_step else v for k, v in inputs.items()}
+    if not gate:
+        del low["z"]
     gy = torch.randn(2, 19, 37, generator=torch.Generator().manual_seed(8)).to(bf16).transpose(1, 2)
 
     def fwd_bwd(ins, go):
         ts = {k: v.detach().clone().requires_grad_() for k, v in ins.items()}
-        y, last = selective_scan(ts["u"], ts["delta"], ts["A"], ts["B"], ts["C"], ts["D"], z=ts["z"],
+        y, last = selective_scan(ts["u"], ts["delta"], ts["A"], ts["B"], ts["C"], ts["D"], z=ts.get("z"),
                                  delta_bias=ts["delta_bias"], delta_softplus=True, return_last_state=True,
                                  chunk_size=8)  # fmt: skip
         y.backward(go)
@@ -212,13 +219,34 @@ def test_lane_path_bf16_inputs_equal_fp32_inputs_then_rounded(monkeypatch):
 
     y16, last16, g16 = fwd_bwd(low, gy)
     y32, last32, g32 = fwd_bwd({k: v.float() for k, v in low.items()}, gy.float())
+    if tiny:
+        assert (y32.abs() < torch.finfo(torch.float32).tiny).float().mean() > 0.5  # mostly subnormal
     assert y16.dtype == bf16 and torch.equal(y16, y32.to(bf16))
     assert torch.equal(last16, last32)
     for k, g in g16.items():
         assert g.dtype == low[k].dtype and torch.equal(g, g32[k].to(g.dtype)), k
     # the lane path, with bf16 u, delta, z, y (forward) and u, delta, z, dout, du, ddelta, dz (backward)
-    assert bits[:2] == [("scan_fwd_f32", 1 | 2 | 4 | 16, 1), ("scan_bwd_f32", 255 - 16, 1)]
+    z_bits = 4 | 128 if gate else 0
+    assert bits[:2] == [
+        ("scan_fwd_f32", 1 | 2 | 16 | (z_bits & 4), 1),
+        ("scan_bwd_f32", 1 | 2 | 8 | 32 | 64 | z_bits, 1),
+    ]
     assert bits[2:] == [("scan_fwd_f32", 0, 1), ("scan_bwd_f32", 0, 1)]
+
+
+@pytest.mark.parametrize("where", ["u", "delta", "z"])
+def test_lane_path_propagates_nan(where, kernel_calls):
+    """A NaN in an input reaches the output and the gradients as it does through torch ops (the exp2 and
+    softplus polynomials clamp their argument, and must not clamp a NaN into a number)."""
+    inputs = make_inputs(batch=1, dim=32, L=10, N=16, dtype=torch.float32, seed=2, channels_last=True)
+    inputs[where] = inputs[where].clone()
+    inputs[where][0, 3, 4] = float("nan")
+    use = {"z": True, "D": True, "delta_bias": True}
+    (y,), grads = run(selective_scan, inputs, use, True, False)
+    (y_ref,), _ = run(selective_scan, inputs, use, True, False, use_kernels=False)
+    assert torch.equal(y.isnan(), y_ref.isnan()) and y.isnan().any()
+    assert grads["delta"].isnan().any()
+    assert kernel_calls == [("scan_fwd_f32", 1), ("scan_bwd_f32", 1)]
 
 
 def test_lane_path_fp32_long_sequence_and_wide_decays(kernel_calls):

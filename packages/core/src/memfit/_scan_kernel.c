@@ -80,7 +80,9 @@ static inline vf32 vsel_f32(vi32 m, vf32 a, vf32 b) { return (vf32)((m & (vi32)a
 /* exp2_f32 on 16 lanes with AVX-512: the same clamp, reduction and polynomial; k = round(x) by
  * vrndscaleps and 2^k applied by vscalefps (no integer round trip: 12 instructions instead of ~18) */
 static inline vf32 vexp2_f32(vf32 x) {
-    const __m512 xc = _mm512_min_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-125.0f)), _mm512_set1_ps(125.0f));
+    /* max/min return their second operand when one is NaN: x second, so NaN stays NaN (as the generic
+     * version and torch.exp) instead of becoming 2^-125 */
+    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(125.0f), _mm512_max_ps(_mm512_set1_ps(-125.0f), (__m512)x));
     const __m512 k = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const vf32 f = (vf32)_mm512_sub_ps(xc, k) * 0.6931471805599453f;
     const vf32 p = 1.0f + f * (1.0f + f * (0.5f + f * (1.6666667e-1f + f * (4.1666668e-2f +
@@ -237,9 +239,8 @@ static inline vf32 vload_bf16_f32(const uint16_t *p) {
 }
 
 static inline void vstore_bf16_f32(uint16_t *p, vf32 v) {
-#if defined(__AVX512BF16__) && LANES32 == 16
-    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh((__m512)v)); /* nearest even */
-#elif defined(__AVX512BW__) && LANES32 == 16
+    /* integer rounding, not AVX512-BF16's vcvtneps2bf16, which flushes subnormals to zero */
+#if defined(__AVX512BW__) && LANES32 == 16
     const __m512i b = _mm512_castps_si512((__m512)v);
     const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
