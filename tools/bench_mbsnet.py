@@ -22,9 +22,9 @@ import statistics
 import time
 
 import torch
-from mbsnet_speech.config import PAPER_RECIPE, default_config, tiny_config
+from mbsnet_speech.config import CPU_RECIPE, PAPER_RECIPE, default_config, tiny_config
 from mbsnet_speech.system import train_step
-from memfit.cpu import keep_freed_memory
+from memfit.cpu import keep_freed_memory, minor_page_faults
 
 
 def main(argv=None) -> None:
@@ -35,13 +35,15 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps after two warm-up ones (median)")
     p.add_argument("--batch", type=int, default=6)
     p.add_argument("--seconds", type=float, default=2.0, help="crop length")
-    p.add_argument("--amp", choices=["none", "bf16"], default=PAPER_RECIPE.amp,
-                   help="autocast dtype (default: the paper recipe's, %(default)s)")  # fmt: skip
+    p.add_argument("--amp", choices=["none", "bf16"], default=None,
+                   help=f"autocast dtype (default: the recipe's: {PAPER_RECIPE.amp}, with --quick "
+                        f"{CPU_RECIPE.amp})")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="the tiny CPU-recipe model")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction,
                    default=bool(PAPER_RECIPE.cpu_checkpoint),
                    help="recompute each encoder layer in backward (default: off, as mbsnet-train on a CPU; "
-                        "on is the config's GPU setting: less memory, more compute)")  # fmt: skip
+                        "on is the config's GPU setting: less memory, more compute; the --quick model has "
+                        "none either way)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print the top ops of one more step")
     args = p.parse_args(argv)
     if (
@@ -57,6 +59,7 @@ def main(argv=None) -> None:
     malloc = "reusing freed blocks" if keep_freed_memory() else "malloc defaults"
     cfg = tiny_config() if args.quick else default_config()
     cfg = dataclasses.replace(cfg, checkpoint=args.checkpointing and cfg.checkpoint)
+    args.amp = args.amp or (CPU_RECIPE.amp if args.quick else PAPER_RECIPE.amp)
     amp = torch.bfloat16 if args.amp == "bf16" else None
     step = train_step(cfg, args.batch, int(args.seconds * cfg.sample_rate), amp=amp)
     torch.manual_seed(0)
@@ -65,27 +68,33 @@ def main(argv=None) -> None:
     batch = step.make_batch(torch.device("cpu"))
     n_params = sum(p.numel() for p in model.parameters())
 
+    faults = []
+
     def one() -> float:
+        f0 = minor_page_faults()
         t = time.perf_counter()
         with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
             loss = step.loss(model, batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.perf_counter() - t
+        t = time.perf_counter() - t
+        faults.append(minor_page_faults() - f0)
+        return t
 
     name = "tiny" if args.quick else "default"
     print(f"MBS-Net {name} config, {n_params / 1e6:.2f}M params, batch {args.batch}, "
           f"{args.seconds:g} s crops, {args.amp}, recompute {'on' if cfg.checkpoint else 'off'}, "
           f"{torch.get_num_threads()} thread(s), {malloc}")  # fmt: skip
-    # two warm-up steps: malloc's heap grows to the step's working set over the first two or three (page
-    # faults: 1.3 M in the first step, 85 k in the second, ~0 from the fourth on; no recompute, bf16)
+    # two warm-up steps: malloc's heap grows to the step's working set over the first two or three (the
+    # page faults printed per step)
     warm = [one() for _ in range(2)]
     times = [one() for _ in range(args.steps)]
     shown = ", ".join(f"{t:.2f}" for t in times)
     print(f"  warm-up {', '.join(f'{t:.2f}' for t in warm)} s; steps {shown} s; "
           f"median {statistics.median(times):.2f} s/step (goal <= 10 s on 2 cores); "
           f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")  # fmt: skip
+    print(f"  minor page faults per step (warm-up first): {', '.join(f'{f:,}' for f in faults)}")
     if args.profile:
         from torch.profiler import profile
 
