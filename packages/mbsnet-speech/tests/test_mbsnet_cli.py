@@ -235,7 +235,7 @@ def test_noisy_phase_keeps_the_input_phase_and_trains_only_the_mask():
 
 
 def test_paper_config_trains_without_layer_recompute_on_cpu_unless_asked():
-    """On CPU the paper recipe turns layer recompute off (a GPU memory saving that cost 1.27x the step time
+    """On CPU the paper recipe turns layer recompute off (a GPU memory saving that cost ~1.4x the step time
     there); --checkpointing/--no-checkpointing always win, and the CPU recipe keeps its preset's choice."""
 
     def recompute(*flags):

@@ -495,9 +495,9 @@ def select_backend(q, k, v, *, causal=False, window=None) -> str:
         return "flash"
     if q.is_cuda:
         return "flex"
-    # CPU (tools/bench_attention.py --grid, README): SDPA on query blocks of max(w/2, 32) is 0.4-0.93x
-    # causal SDPA's time from L 128 to 4096 wherever L < 16 w, and one masked SDPA call (L <= 64) ~1.02x;
-    # the band path wins once L >= 16 w (0.45x at L 2048, w 128; 0.16x at L 8192, w 256).
+    # CPU (tools/bench_attention.py --grid, README): SDPA on query blocks of max(w/2, 32) is 0.36-1.03x
+    # causal SDPA's time from L 128 to 8192 wherever L < 16 w (at most 0.68x from L 1024), and one masked
+    # SDPA call (L <= 64) 1.02-1.03x; the band path wins once L >= 16 w (0.04-0.83x).
     if BAND_MIN_RATIO * window <= L:
         return "band"
     return "blocks"

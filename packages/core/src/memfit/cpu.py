@@ -2,18 +2,17 @@
 
 glibc's malloc maps every block above its mmap threshold (at most 32 MiB) fresh from the kernel and unmaps
 it on free. A training step allocates and frees the same large activations every step, so each one is
-page-faulted in again, one 4 KiB page at a time: casting a 44 MiB bf16 tensor to fp32 took 16 ms in a fresh
-block and 1.8 ms in a reused one (2 threads). ``keep_freed_memory`` tells malloc to serve those blocks from
-its heap and keep freed memory for reuse. The process keeps its peak footprint until it exits, which
-suits a trainer.
+page-faulted in again, one 4 KiB page at a time. ``keep_freed_memory`` tells malloc to serve those blocks
+from its heap and keep freed memory for reuse. The process keeps its peak footprint until it exits, which
+suits a trainer; the setting is process-wide and cannot be undone.
 
-Measured with ``uv run python tools/bench_mbsnet.py`` (README, "Training speed on CPU").
+``uv run python tools/bench_mbsnet.py`` prints each step's page faults; with ``MEMFIT_KEEP_FREED=0`` it
+runs with malloc's defaults (README, "Training speed on CPU").
 """
 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -32,8 +31,7 @@ def keep_freed_memory() -> bool:
     on = False
     if sys.platform.startswith("linux") and os.environ.get("MEMFIT_KEEP_FREED", "1") != "0":
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            mallopt = libc.mallopt
+            mallopt = ctypes.CDLL(None).mallopt  # the C library this process already uses
         except (OSError, AttributeError):  # musl and others have no mallopt
             mallopt = None
         if mallopt is not None:

@@ -157,7 +157,9 @@ class Trainer:
         self.stopped_early = False
         self.device = resolve_device(self.cfg.device)
         if self.device.type == "cpu":
-            keep_freed_memory()  # reuse freed activation blocks instead of page-faulting them in every step
+            # reuse freed activation blocks instead of page-faulting them in every step (process-wide and
+            # for good: memfit.cpu; MEMFIT_KEEP_FREED=0 leaves malloc alone)
+            keep_freed_memory()
         self.dist = init_distributed(self.device)
         self.run_dir = Path(self.cfg.run_dir)
         self.folder = RunFolder(self.run_dir)

@@ -179,8 +179,8 @@ class Recipe:
 
 
 # On CPU the paper config trains without layer recompute: recompute exists to fit a GPU's memory, and on
-# 2 cores it made a step 1.27x slower (11.7 vs 9.2 s, bf16, 2 threads; peak RSS 4.5 vs 6.4 GiB;
-# `tools/bench_mbsnet.py --checkpointing`, README "Training speed on CPU").
+# 2 cores it made a step ~1.4x slower (README's MBS-Net step row, `tools/bench_mbsnet.py` with and without
+# `--checkpointing`: ~11.4 vs ~8.3 s, bf16, 2 threads; peak RSS 4.2 vs 6.0 GiB).
 PAPER_RECIPE = Recipe(batch_size=6, seconds=2.0, lr=5e-4, steps=1000, cpu_checkpoint=False)
 # The CPU recipe (`--config cpu`, and `auto` without a GPU); chosen by short measured runs, see README.
 CPU_RECIPE = Recipe(
