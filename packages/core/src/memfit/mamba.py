@@ -125,9 +125,7 @@ class _ConvSiLU(torch.autograd.Function):
 
 def _channels_last(x: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
     """(batch, d, L) x as a (batch, L, d) tensor of dtype cd with d contiguous (a view when it is one)."""
-    xt = x.transpose(1, 2)
-    if xt.dtype != cd:
-        xt = xt.to(cd)
+    xt = ssm._bdl_cd(x, cd).transpose(1, 2)  # the scan's cast, which keeps a channel stride of 1
     return xt if xt.stride(2) == 1 else xt.contiguous()
 
 
