@@ -106,24 +106,28 @@ static inline vf32 vexp2_f32(vf32 x) {
 
 static inline vf32 vsigmoid_f32(vf32 x) { return 1.0f / (1.0f + vexp2_f32(-1.4426950408889634f * x)); }
 
-static inline vf32 vsoftplus_f32(vf32 x) {
+/* softplus(x) = max(x, 0) + log1p(y), as softplus_f32, with y = exp(-|x|) into *y */
+static inline vf32 vsoftplus_y_f32(vf32 x, vf32 *y_out) {
     const vf32 ax = (vf32)((vi32)x & 0x7fffffff);
     const vf32 y = vexp2_f32(-1.4426950408889634f * ax);
     const vf32 s = y / (2.0f + y), q = s * s;
     const vf32 p = 1.0f + q * (1.0f / 3 + q * (1.0f / 5 + q * (1.0f / 7 + q * (1.0f / 9 + q * (1.0f / 11 +
                    q * (1.0f / 13 + q * (1.0f / 15)))))));
+    *y_out = y;
     return vsel_f32(x > 0.0f, x, (vf32){0}) + 2.0f * s * p;
+}
+
+static inline vf32 vsoftplus_f32(vf32 x) {
+    vf32 y;
+    return vsoftplus_y_f32(x, &y);
 }
 
 /* softplus(x) and, into *sg, sigmoid(x) = (x > 0 ? 1 : y) / (1 + y) from the same y = exp(-|x|) */
 static inline vf32 vsoftplus_sig_f32(vf32 x, vf32 *sg) {
-    const vf32 ax = (vf32)((vi32)x & 0x7fffffff);
-    const vf32 y = vexp2_f32(-1.4426950408889634f * ax);
-    const vf32 s = y / (2.0f + y), q = s * s;
-    const vf32 p = 1.0f + q * (1.0f / 3 + q * (1.0f / 5 + q * (1.0f / 7 + q * (1.0f / 9 + q * (1.0f / 11 +
-                   q * (1.0f / 13 + q * (1.0f / 15)))))));
+    vf32 y;
+    const vf32 sp = vsoftplus_y_f32(x, &y);
     *sg = vsel_f32(x > 0.0f, (vf32){0} + 1.0f, y) / (1.0f + y);
-    return vsel_f32(x > 0.0f, x, (vf32){0}) + 2.0f * s * p;
+    return sp;
 }
 
 /* fp64 lanes: libm per lane (tests, exactness; speed does not matter there) */
