@@ -123,7 +123,7 @@ def train_reference(data_path: Path, seed: int, iterations: int = 2000) -> float
     import torch
     from gpt2_window.data import load_data
     from gpt2_window.eval import estimate_loss
-    from memfit.training import step_generator, warmup_cosine_lambda
+    from memfit.loop import Progress, WarmupCosine, step_generator
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from nanogpt_ref import RefGPT, make_optimizer
@@ -132,14 +132,15 @@ def train_reference(data_path: Path, seed: int, iterations: int = 2000) -> float
     torch.manual_seed(seed)
     model = RefGPT(data.vocab_size)
     opt = make_optimizer(model, lr=1e-3, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine_lambda(iterations, 100, 0.1))
+    schedule = WarmupCosine(100, 0.1)
     for step in range(iterations):
+        for group in opt.param_groups:  # nanoGPT's get_lr(step)
+            group["lr"] = 1e-3 * schedule(Progress(step, 0.0, iterations, None))
         x, y = data.batch("train", 12, 64, step_generator(seed, step))
         model(x, y)[1].backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        sched.step()
     return estimate_loss(model, data, "val", 12, 64, 200, "cpu")
 
 

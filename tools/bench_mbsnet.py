@@ -22,12 +22,14 @@ import statistics
 import time
 
 import torch
-from mbsnet_speech.config import CPU_RECIPE, PAPER_RECIPE, default_config, tiny_config
+from mbsnet_speech.config import SETTINGS, default_config, tiny_config
 from mbsnet_speech.system import train_step
 from memfit.cpu import keep_freed_memory, minor_page_faults
 
 
 def main(argv=None) -> None:
+    cpu = torch.device("cpu")
+    paper, recipe = SETTINGS["default"](cpu), SETTINGS["cpu"](cpu)  # what mbsnet-train runs on a CPU
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice, all cores; on 2 cores 2 threads measured "
@@ -36,11 +38,11 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=6)
     p.add_argument("--seconds", type=float, default=2.0, help="crop length")
     p.add_argument("--amp", choices=["none", "bf16"], default=None,
-                   help=f"autocast dtype (default: the recipe's: {PAPER_RECIPE.amp}, with --quick "
-                        f"{CPU_RECIPE.amp})")  # fmt: skip
+                   help=f"autocast dtype (default: the recipe's: {paper.loop.amp}, with --quick "
+                        f"{recipe.loop.amp})")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="the tiny CPU-recipe model")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction,
-                   default=bool(PAPER_RECIPE.cpu_checkpoint),
+                   default=paper.model.checkpoint,
                    help="recompute each encoder layer in backward (default: off, as mbsnet-train on a CPU; "
                         "on is the config's GPU setting: less memory, more compute; the --quick model has "
                         "none either way)")  # fmt: skip
@@ -59,7 +61,7 @@ def main(argv=None) -> None:
     malloc = "reusing freed blocks" if keep_freed_memory() else "malloc defaults"
     cfg = tiny_config() if args.quick else default_config()
     cfg = dataclasses.replace(cfg, checkpoint=args.checkpointing and cfg.checkpoint)
-    args.amp = args.amp or (CPU_RECIPE.amp if args.quick else PAPER_RECIPE.amp)
+    args.amp = args.amp or (recipe.loop.amp if args.quick else paper.loop.amp)
     amp = torch.bfloat16 if args.amp == "bf16" else None
     step = train_step(cfg, args.batch, int(args.seconds * cfg.sample_rate), amp=amp)
     torch.manual_seed(0)

@@ -210,22 +210,23 @@ def bench_size(size, args) -> list[dict]:
 def mbsnet_step(args, warmup=3) -> None:
     """The MBS-Net CPU recipe's training step (batch 4 x 1 s of random audio, its loss, backward, AdamW)
     with the scan kernel's lane path and with its sequence path, alternated; median of --repeat."""
-    from mbsnet_speech.config import CPU_RECIPE, get_config
+    from mbsnet_speech.config import SETTINGS
     from mbsnet_speech.losses import enhancement_loss
     from mbsnet_speech.model import MBSNet
 
-    cfg = get_config("cpu")
+    recipe = SETTINGS["cpu"](torch.device("cpu"))
+    cfg, t = recipe.model, recipe.train
     torch.manual_seed(0)
     model = MBSNet(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=CPU_RECIPE.lr)
-    samples = int(CPU_RECIPE.seconds * cfg.sample_rate)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
+    samples = int(t.seconds * cfg.sample_rate)
     g = torch.Generator().manual_seed(0)
-    batch = tuple(0.1 * torch.randn(CPU_RECIPE.batch_size, samples, generator=g) for _ in range(2))
+    batch = tuple(0.1 * torch.randn(t.batch_size, samples, generator=g) for _ in range(2))
 
     def one(lane_path: bool) -> float:
         ssm.LANE_PATH = lane_path
         t = time.perf_counter()
-        enhancement_loss(model, batch, CPU_RECIPE.loss)[0].backward()
+        enhancement_loss(model, batch, t.loss)[0].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         ssm.LANE_PATH = True
@@ -239,7 +240,7 @@ def mbsnet_step(args, warmup=3) -> None:
                 times[lane_path].append(t)
     lane, seq = statistics.median(times[True]), statistics.median(times[False])
     print(
-        f"MBS-Net CPU recipe training step (batch {CPU_RECIPE.batch_size} x {samples} samples, "
+        f"MBS-Net CPU recipe training step (batch {t.batch_size} x {samples} samples, "
         f"{torch.get_num_threads()} thread(s), median of {args.repeat} alternated after {warmup} warm-up)"
     )
     print(f"  scan lane path     {lane:.3f} s/step")

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 from memfit.errors import UsageError
+from memfit.loop import Trainer, step_generator
 from memfit.metrics_log import MetricsLog
-from memfit.training import LoopConfig, Trainer, step_generator
+from memfit.settings import LoopConfig
 from torch import nn
 
 
@@ -20,10 +21,11 @@ def _trainer(run_dir, steps, **loop):
         x = torch.randn(8, 4, generator=step_generator(0, step, micro))
         return x, x.sum(1, keepdim=True)
 
-    cfg = LoopConfig(steps=steps, run_dir=str(run_dir), log_every=1, save_every=2, amp="none",
-                     progress=False, device="cpu", **loop)  # fmt: skip
+    resume = loop.pop("resume", False)
+    cfg = LoopConfig(steps=steps, log_every=1, save_every=2, amp="none", progress=False, device="cpu", **loop)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
-                   lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), batch, cfg)  # fmt: skip
+                   lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), batch, cfg, run_dir=run_dir,
+                   resume=resume)  # fmt: skip
 
 
 def test_tensorboard_without_the_extra_is_one_line(tmp_path, monkeypatch):

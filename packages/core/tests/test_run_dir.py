@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from memfit.checkpoint import list_checkpoints
 from memfit.errors import UsageError, run_command
-from memfit.training import LoopConfig, Trainer, list_checkpoints, step_generator
+from memfit.loop import Trainer, step_generator
+from memfit.settings import LoopConfig
 from torch import nn
 
 
@@ -31,7 +33,8 @@ def trainer(run_dir, steps=6, width=4, system="toy", loss=loss_fn, **loop):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     cfg = dict(steps=steps, save_every=3, keep_last=3, log_every=1, amp="none", progress=False, device="cpu")
     cfg.update(loop)
-    return Trainer(model, opt, loss, make_batch, LoopConfig(run_dir=str(run_dir), **cfg), system=system)
+    run = {k: cfg.pop(k) for k in ("resume", "overwrite") if k in cfg}
+    return Trainer(model, opt, loss, make_batch, LoopConfig(**cfg), system=system, run_dir=run_dir, **run)
 
 
 def metric_steps(run_dir):

@@ -1,6 +1,6 @@
 """A fifth system, defined here and registered through the contract alone (docs/adding-a-system.md):
-config dataclass + presets (memfit.config), the shared flags (memfit.flags), the Trainer, one
-checkpoint schema and System.load_model. It trains end to end through `train`, evaluates through
+a frozen model config and training recipe, settings presets and flags (memfit.settings), the Trainer,
+one checkpoint schema and System.load_model. It trains end to end through `train`, evaluates through
 `eval`, resumes, and refuses bad input like the four real systems do.
 """
 
@@ -14,19 +14,12 @@ import pytest
 import torch
 from memfit import cli
 from memfit.checkpoint import load_checkpoint
-from memfit.config import get_config, overrides_from_args
-from memfit.flags import (
-    add_eval_args,
-    add_loop_args,
-    add_model_args,
-    apply_threads,
-    check_numbers,
-    eval_out_dir,
-    loop_config_from_args,
-)
+from memfit.config import check_fields
+from memfit.flags import Parser, add_eval_args, apply_threads, eval_out_dir
 from memfit.layers import checkpointed
 from memfit.loop import Trainer, step_generator
 from memfit.run_dir import resolve_run
+from memfit.settings import LoopConfig, Settings, TrainParser
 from memfit.system import System, available_systems, register, unregister
 from torch import nn
 
@@ -34,13 +27,23 @@ NAME = "toy-regression"
 TRUE_W = torch.linspace(-1, 1, 4)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ToyConfig:
     width: int = 16
     checkpoint: bool = False
 
 
+@dataclass(frozen=True)
+class ToyTrain:
+    lr: float = 0.05
+
+    def __post_init__(self) -> None:
+        check_fields(self, lr=">0")
+
+
 PRESETS = {"tiny": ToyConfig(width=8), "small": ToyConfig(width=32)}
+LOOP = LoopConfig(steps=40, log_every=5, save_every=10)
+SETTINGS = {name: Settings(cfg, ToyTrain(), LOOP) for name, cfg in PRESETS.items()}
 
 
 class ToyModel(nn.Module):
@@ -66,19 +69,18 @@ def mse(model: nn.Module, seed: int = 999) -> float:
 
 
 def train_main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser()
-    add_model_args(p, PRESETS, "tiny")
-    p.add_argument("--lr", type=float, default=0.05)
-    add_loop_args(p, steps=40, log_every=5, save_every=10)
-    args = p.parse_args(argv)
-    check_numbers(args, lr=">0")
-    cfg = get_config(PRESETS, args.config, **overrides_from_args(args, {"checkpointing": "checkpoint"}))
-    loop = loop_config_from_args(args, NAME)
+    p = TrainParser(NAME, "train the toy", SETTINGS, default="tiny")
+    g = p.group("toy")
+    recompute = argparse.BooleanOptionalAction
+    p.flag(g, "--checkpointing", path="model.checkpoint", action=recompute, help="recompute in backward")
+    p.flag(g, "--lr", path="train.lr", type=float, help="learning rate")
+    run = p.parse(argv)
+    cfg, loop = run.settings.model, run.settings.loop
     torch.manual_seed(loop.seed)
     model = ToyModel(cfg)
     trainer = Trainer(
         model,
-        torch.optim.SGD(model.parameters(), lr=args.lr),
+        torch.optim.SGD(model.parameters(), lr=run.settings.train.lr),
         lambda m, b: (m(b[0]) - b[1]).pow(2).mean(),
         lambda step, micro: batch(loop.seed, step),
         loop,
@@ -87,14 +89,18 @@ def train_main(argv: list[str] | None = None) -> dict:
         best_metric="val_mse",
         best_mode="min",
         config=cfg,
-        meta={"preset": args.config},
+        meta={"preset": run.preset},
         system=NAME,
+        settings=run.settings,
+        preset=run.preset,
+        resume=run.resume,
+        overwrite=run.overwrite,
     )
     return trainer.fit()
 
 
 def eval_main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser()
+    p = Parser()
     add_eval_args(p, NAME)
     args = p.parse_args(argv)
     apply_threads(args)

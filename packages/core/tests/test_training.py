@@ -10,16 +10,15 @@ import textwrap
 
 import pytest
 import torch
-from memfit.training import (
-    LoopConfig,
-    Trainer,
+from memfit.checkpoint import (
+    find_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
-    step_generator,
-    warmup_cosine_lambda,
 )
+from memfit.loop import Progress, Trainer, WarmupCosine, step_generator
+from memfit.settings import LoopConfig
 from torch import nn
 
 TRUE_W = torch.linspace(-1, 1, 16)
@@ -48,25 +47,24 @@ def loss_fn(model, batch):
     return loss, {"mse": loss.item()}
 
 
-def build(tmp_path, steps, resume=False, amp="none", grad_accum=1, save_every=3, ema=0.0):
+def build(tmp_path, steps, resume=False, amp="none", grad_accum=1, save_every=3, ema=0.0, max_minutes=None):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine_lambda(10, 2))
     cfg = LoopConfig(
         steps=steps,
         amp=amp,
         grad_accum=grad_accum,
         save_every=save_every,
         keep_last=2,
-        run_dir=str(tmp_path),
-        resume=resume,
         progress=False,
         log_every=1,
         device="cpu",
         ema=ema,
+        max_minutes=max_minutes,
     )
-    return Trainer(model, opt, loss_fn, make_batch, cfg, scheduler=sched, config={"width": 32})
+    return Trainer(model, opt, loss_fn, make_batch, cfg, lr_schedule=WarmupCosine(2, total_steps=10),
+                   config={"width": 32}, run_dir=tmp_path, resume=resume)  # fmt: skip
 
 
 def test_resume_after_interruption_gives_identical_weights(tmp_path):
@@ -138,16 +136,9 @@ def test_grad_accumulation_equals_bigger_batch(tmp_path):
             x, y = make_batch(step, 0, batch=32)
             return x[micro * batch : (micro + 1) * batch], y[micro * batch : (micro + 1) * batch]
 
-        cfg = LoopConfig(
-            steps=3,
-            grad_accum=accum,
-            amp="none",
-            run_dir=str(tmp_path / sub),
-            progress=False,
-            grad_clip=None,
-            device="cpu",
-        )
-        Trainer(model, opt, lambda m, b: (m(b[0]).squeeze(-1) - b[1]).pow(2).mean(), get, cfg).fit()
+        cfg = LoopConfig(steps=3, grad_accum=accum, amp="none", progress=False, grad_clip=0, device="cpu")
+        loss = lambda m, b: (m(b[0]).squeeze(-1) - b[1]).pow(2).mean()  # noqa: E731
+        Trainer(model, opt, loss, get, cfg, run_dir=tmp_path / sub).fit()
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     torch.testing.assert_close(run(2, 16, "a"), run(1, 32, "b"), atol=1e-6, rtol=0)
@@ -174,7 +165,9 @@ DDP_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from torch import nn
-    from memfit.training import LoopConfig, Trainer, dist_info
+    from memfit.distributed import dist_info
+    from memfit.loop import Trainer
+    from memfit.settings import LoopConfig
     sys.path.insert(0, {testdir!r})
     from test_training import make_batch
 
@@ -182,10 +175,10 @@ DDP_SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    cfg = LoopConfig(steps=5, amp="none", run_dir={run_dir!r}, progress=False, grad_clip=None, device="cpu")
+    cfg = LoopConfig(steps=5, amp="none", progress=False, grad_clip=0, device="cpu")
     get = lambda s, m: make_batch(s, m, batch=32, rank=info.rank, world=info.world_size)
     loss = lambda m, b: (m(b[0]).squeeze(-1) - b[1]).pow(2).mean()
-    t = Trainer(model, opt, loss, get, cfg)
+    t = Trainer(model, opt, loss, get, cfg, run_dir={run_dir!r})
     t.fit()
     if info.rank == 0:
         torch.save([p.detach() for p in t.raw_model.parameters()], {out!r})
@@ -239,54 +232,80 @@ def test_warmup_cosine_matches_nanogpt_get_lr():
         ratio = (it - warmup) / (decay - warmup)
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
 
-    f = warmup_cosine_lambda(decay, warmup, min_ratio=min_lr / lr)
+    f = WarmupCosine(warmup, min_ratio=min_lr / lr)
     for it in range(decay):
-        assert lr * f(it) == pytest.approx(get_lr(it), rel=1e-12, abs=1e-15)
+        assert lr * f(Progress(it, 0.0, decay, None)) == pytest.approx(get_lr(it), rel=1e-12, abs=1e-15)
 
 
-def test_max_minutes_stops_cleanly_saves_and_resumes(tmp_path, capsys):
-    """A wall budget stops the run after the current step, saves it, and says how to continue."""
-    t = build(tmp_path, steps=50, save_every=0)
-    t.cfg.max_minutes = 1e-9  # spent after the first step
-    out = t.fit()
-    assert out["stopped_early"] and t.step == 1
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["ckpt_0000001.pt"]
-    err = capsys.readouterr().err
-    assert "--max_minutes" in err and "step 1 of 50" in err and "--resume" in err
-    resumed = build(tmp_path, steps=5, resume=True)
-    assert resumed.step == 1
-    assert not resumed.fit()["stopped_early"] and resumed.step == 5
-    with pytest.raises(ValueError, match="max_minutes"):
-        LoopConfig(max_minutes=0)
+class FakeClock:
+    """memfit.loop.now for tests: `dt` seconds pass per reading (the Trainer reads it once per step
+    boundary), and SIGINT arrives at reading number `interrupt_at` (0-based; None: never)."""
+
+    def __init__(self, dt, interrupt_at=None):
+        self.t, self.dt, self.calls, self.interrupt_at = 0.0, dt, 0, interrupt_at
+
+    def __call__(self):
+        if self.calls == self.interrupt_at:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGINT)
+        self.calls += 1
+        self.t += self.dt
+        return self.t
 
 
-def test_learning_rate_follows_the_time_budget(monkeypatch):
-    """With max_minutes the cosine reaches its floor when the budget runs out, whatever the step."""
+def test_max_minutes_is_the_runs_total_budget_and_resume_follows_the_same_lr(tmp_path, monkeypatch, capsys):
+    """A 6-minute budget at a minute per step: 6 steps, stopped cleanly. The same run interrupted after
+    step 2 and resumed with the same --max_minutes takes the same 6 steps with the same learning rates
+    (the Trainer's clock is saved in the checkpoint), and a further resume has nothing left to train."""
     import memfit.loop
 
-    now = [100.0]
-    monkeypatch.setattr(memfit.loop.time, "monotonic", lambda: now[0])
-    f = warmup_cosine_lambda(10**7, 10, min_ratio=0.1, max_minutes=2.0)
-    assert f(0) == pytest.approx(1 / 11) and f(9) == pytest.approx(10 / 11)  # warmup
-    assert f(10) == pytest.approx(1.0)
-    now[0] += 60  # half the budget: the middle of the cosine
-    assert f(500) == pytest.approx(0.1 + 0.9 * 0.5)
-    now[0] += 60
-    assert f(501) == pytest.approx(0.1)
-    g = warmup_cosine_lambda(110, 10, max_minutes=None)
-    assert g(60) == pytest.approx(0.1 + 0.9 * 0.5) and g(110) == pytest.approx(0.1)
+    def lrs(path):
+        rows = map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
+        return [r["lr"] for r in rows if "lr" in r]
 
-
-def test_a_run_until_its_budget_reports_steps_without_a_bogus_total(tmp_path, capsys):
-    """Trainers pass steps=UNTIL_BUDGET for `--max_minutes` without `--steps`: the stop message names the
-    step reached, not "of 10000000"."""
-    from memfit.loop import UNTIL_BUDGET
-
-    t = build(tmp_path / "budget", steps=UNTIL_BUDGET, save_every=0)
-    t.cfg.max_minutes = 1e-9
-    assert t.fit()["stopped_early"] and t.step == 1
+    monkeypatch.setattr(memfit.loop, "now", FakeClock(60.0))
+    full = build(tmp_path / "full", steps=None, save_every=0, max_minutes=6)
+    out = full.fit()
+    assert out["stopped_early"] and full.step == 6
     err = capsys.readouterr().err
-    assert "stopped at step 1;" in err and f"of {UNTIL_BUDGET}" not in err
+    assert "--max_minutes 6 spent" in err and "stopped at step 6;" in err and "larger --max_minutes" in err
+    assert load_checkpoint(tmp_path / "full")["progress"]["seconds"] == pytest.approx(360.0)
+
+    monkeypatch.setattr(memfit.loop, "now", FakeClock(60.0, interrupt_at=2))
+    part = build(tmp_path / "part", steps=None, save_every=0, max_minutes=6)
+    with pytest.raises(SystemExit) as e:
+        part.fit()
+    assert e.value.code == 130 and part.step == 2
+    monkeypatch.setattr(memfit.loop, "now", FakeClock(60.0))
+    resumed = build(tmp_path / "part", steps=None, save_every=0, max_minutes=6, resume=True)
+    assert resumed.step == 2 and resumed.seconds == pytest.approx(120.0)
+    assert resumed.fit()["stopped_early"] and resumed.step == 6
+    assert lrs(tmp_path / "part") == pytest.approx(lrs(tmp_path / "full"), rel=1e-12)
+    assert len(set(lrs(tmp_path / "full"))) == 6  # the rate moved every step: the test can tell them apart
+    for a, b in zip(full.raw_model.parameters(), resumed.raw_model.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+    capsys.readouterr()
+    again = build(tmp_path / "part", steps=None, save_every=0, max_minutes=6, resume=True)
+    again.fit()
+    assert again.step == 6 and "nothing to train" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_minutes"):
+        LoopConfig(max_minutes=0)
+    with pytest.raises(ValueError, match="steps must be given"):
+        LoopConfig(steps=None)
+
+
+def test_learning_rate_follows_steps_or_the_time_budget_whichever_is_further():
+    f = WarmupCosine(10, min_ratio=0.1)
+    budget = Progress(0, 0.0, None, 120.0)
+    assert f(budget) == pytest.approx(1 / 11) and f(Progress(9, 0.0, None, 120.0)) == pytest.approx(10 / 11)
+    assert f(Progress(10, 0.0, None, 120.0)) == pytest.approx(1.0)
+    assert f(Progress(500, 60.0, None, 120.0)) == pytest.approx(0.1 + 0.9 * 0.5)  # half the budget
+    assert f(Progress(501, 120.0, None, 120.0)) == pytest.approx(0.1)
+    assert f(Progress(60, 0.0, 110, None)) == pytest.approx(0.1 + 0.9 * 0.5)  # half the steps after warmup
+    further = 0.1 + 0.9 * 0.5 * (1 + math.cos(0.75 * math.pi))  # 3/4 of the budget beats half the steps
+    assert f(Progress(60, 90.0, 110, 120.0)) == pytest.approx(further)
 
 
 def test_best_metric_writes_best_checkpoint_and_logs_best_step(tmp_path):
@@ -308,8 +327,6 @@ def test_best_metric_writes_best_checkpoint_and_logs_best_step(tmp_path):
     evals = [r for r in rows if "eval/score" in r]
     assert [r["best/score"] for r in evals] == [3.0, 5.0, 5.0, 5.0]
     assert [r["best_step"] for r in evals] == [2, 4, 4, 4]
-    from memfit.training import find_checkpoint
-
     assert find_checkpoint(tmp_path) == tmp_path / "best.pt"
     assert find_checkpoint(tmp_path, "latest").name == "ckpt_0000008.pt"
 
@@ -359,8 +376,6 @@ def test_ema_averages_the_weights_validates_on_them_and_resumes_exactly(tmp_path
 
 
 def test_best_mode_min_and_find_checkpoint_without_best(tmp_path):
-    from memfit.training import find_checkpoint
-
     assert find_checkpoint(tmp_path) is None
     scores = iter([2.0, 1.0, 3.0])
     t = build(tmp_path, steps=6, save_every=0)

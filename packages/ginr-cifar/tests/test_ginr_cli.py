@@ -8,7 +8,7 @@ import pytest
 import torch
 from ginr_cifar import eval as ginr_eval
 from ginr_cifar import train as ginr_train
-from memfit.training import list_checkpoints, load_checkpoint
+from memfit.checkpoint import list_checkpoints, load_checkpoint
 from PIL import Image
 
 SHARED = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "cifar10-jpg" / "train"
@@ -83,12 +83,7 @@ def test_ginr_cli_errors_are_clear(tmp_path):
         ginr_eval.main(["--run", str(tmp_path / "nothing_here"), "--device", "cpu"])
 
 
-def test_ginr_time_budget_cosine_follows_the_clock():
-    # train --max_minutes without --steps: 10**7 steps, so only the clock can bring the LR down to its floor
-    from memfit.training import warmup_cosine_lambda
-
-    spent = warmup_cosine_lambda(10**7, 2, max_minutes=1e-9)
-    assert spent(0) == pytest.approx(1 / 3) and spent(5) == pytest.approx(0.1)
-    fresh = warmup_cosine_lambda(10**7, 2, max_minutes=60)
-    assert fresh(5) == pytest.approx(1.0, abs=1e-6)
-    assert ginr_train.build_parser().parse_args([]).steps is None  # the recipe fills it
+def test_ginr_time_budget_without_steps_trains_until_the_budget():
+    budget = ginr_train.build_parser().parse(["--max_minutes", "20"]).settings.loop
+    assert budget.steps is None and budget.max_minutes == 20
+    assert ginr_train.build_parser().parse([]).settings.loop.steps == 1000  # the preset's

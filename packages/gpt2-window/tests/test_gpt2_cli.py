@@ -60,7 +60,7 @@ def test_resume_is_exact(tmp_path):
 def test_resume_with_a_different_model_is_refused(tmp_path):
     runs = str(tmp_path)
     train_run([*FAST, "--num_iterations", "2", "--runs_dir", runs])
-    with pytest.raises(SystemExit, match="different model"):
+    with pytest.raises(SystemExit, match=r"another model config \(window 8 -> 3\)"):
         train_run([*FAST, "--num_iterations", "4", "--runs_dir", runs, "--window", "3", "--resume"])
 
 
@@ -83,17 +83,15 @@ def test_train_on_tinyshakespeare_and_sample(tmp_path):
 def test_seed_flags_and_window_parsing():
     from gpt2_window.train import build_parser, parse_window
 
-    args = build_parser().parse_args(
+    run = build_parser().parse(
         ["--model", "d12_window", "--sequence_length", "1024", "--batch_size", "4", "--num_iterations", "5"]
     )
-    assert (args.config, args.sequence_length, args.batch_size, args.steps) == (
-        "d12_window",
-        1024,
-        4,
-        5,
-    )  # --model is --config
-    assert build_parser().parse_args(["--steps", "7"]).steps == 7
-    assert build_parser().parse_args([]).steps == 2000
+    s = run.settings
+    got = (run.preset, s.train.sequence_length, s.train.batch_size, s.loop.steps)
+    assert got == ("d12_window", 1024, 4, 5)
+    assert s.model.window == 64  # --model is --config
+    assert build_parser().parse(["--steps", "7"]).settings.loop.steps == 7
+    assert build_parser().parse([]).settings.loop.steps == 2000
     assert parse_window("64") == 64 and parse_window("none") is None
     assert parse_window("8,none,16") == [8, None, 16]
 
@@ -101,7 +99,8 @@ def test_seed_flags_and_window_parsing():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--model", "gpt5"], "invalid choice: 'gpt5'.*d12.*d12_window.*tiny.*nano"),
+        (["--model", "gpt5"], "'gpt5' is neither a preset .*d12, d12_window, tiny, tiny_window, nano"),
+        (["--sequence_length", "0"], "--sequence_length must be >= 1, got 0"),
         (["--window", "0"], "window must be > 0"),
         (["--window", "-3"], "window must be > 0"),
         (["--sequence_length", "33"], "longer than the context of --config nano.*<= 32"),

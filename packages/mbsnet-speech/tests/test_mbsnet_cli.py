@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from memfit.errors import run_command
 
 pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba block) is not installed yet")
 
@@ -61,16 +62,12 @@ def test_train_on_voicebank_folder(tmp_path, make_voicebank, capsys):
     fixed = [*TINY, "--steps", "1", "--data", str(root), "--no-remix", "--snr", "0", "5"]
     train.main([*fixed, "--runs_dir", str(tmp_path), "--run_name", "fixed"])
     assert "remixed" not in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        train.main(
-            [*TINY, "--steps", "1", "--data", str(root), "--snr", "15", "-5", "--runs_dir", str(tmp_path)]
-        )
-    assert e.value.code == 2 and "MIN <= MAX" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        train.main(
-            [*TINY, "--steps", "1", "--data", str(tmp_path / "nothing_here"), "--runs_dir", str(tmp_path)]
-        )
-    assert e.value.code == 2 and "clean_" in capsys.readouterr().err
+    bad_snr = [*TINY, "--steps", "1", "--data", str(root), "--snr", "15", "-5", "--runs_dir", str(tmp_path)]
+    assert run_command("mbsnet-train", train.main, bad_snr) == 2
+    assert "MIN <= MAX" in capsys.readouterr().err
+    missing = [*TINY, "--steps", "1", "--data", str(tmp_path / "nothing_here"), "--runs_dir", str(tmp_path)]
+    assert run_command("mbsnet-train", train.main, missing) == 2
+    assert "clean_" in capsys.readouterr().err
 
 
 def test_validation_keeps_the_best_checkpoint_and_eval_uses_it(tmp_path, capsys):
@@ -127,10 +124,9 @@ def test_train_mixes_a_clean_folder_on_the_fly(tmp_path, speech, capsys):
     }
     for msg, args in bad.items():
         capsys.readouterr()
-        with pytest.raises(SystemExit) as e:
-            train.main([*common, *args])
+        assert run_command("mbsnet-train", train.main, [*common, *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert e.value.code == 2 and len(err) == 1 and msg in err[0] and err[0].startswith("error: ")
+        assert len(err) == 1 and msg in err[0] and err[0].startswith("mbsnet-train: error: ")
 
 
 def test_eval_finds_noise_kinds_in_file_names():
@@ -239,10 +235,9 @@ def test_paper_config_trains_without_layer_recompute_on_cpu_unless_asked():
     there); --checkpointing/--no-checkpointing always win, and the CPU recipe keeps its preset's choice."""
 
     def recompute(*flags):
-        args = train.build_parser().parse_args(["--device", "cpu", *flags])
-        return train.layer_recompute(args, train.resolve_recipe(args))
+        return train.build_parser().parse(["--device", "cpu", *flags]).settings.model.checkpoint
 
     assert recompute("--config", "default") is False
     assert recompute("--config", "default", "--checkpointing") is True
-    assert recompute("--config", "cpu") is None
-    assert recompute("--config", "cpu", "--no-checkpointing") is False
+    assert recompute("--config", "cpu") is False  # the CPU recipe's preset has none
+    assert recompute("--config", "cpu", "--checkpointing") is True

@@ -4,14 +4,14 @@ import json
 
 import pytest
 import torch
-from memfit.training import load_checkpoint
+from memfit.checkpoint import load_checkpoint
 from moremouse_triplane import eval as mouse_eval
 from moremouse_triplane import train as mouse_train
 from moremouse_triplane.data import export_scenes
 from PIL import Image
 
 FAST = [
-    "--preset",
+    "--config",
     "tiny",
     "--batch_size",
     "2",

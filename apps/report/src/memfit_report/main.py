@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from memfit.errors import UsageError
 from memfit.flags import hidden_alias
 from memfit.memory import GIB, estimate_training_step, measure_training_step
 from memfit.system import available_systems, load_system
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     systems = args.system or installed
     unknown = [s for s in systems if s not in installed]
     if unknown:
-        raise SystemExit(f"error: unknown system(s) {unknown}; installed: {', '.join(installed)}")
+        raise UsageError(f"error: unknown system(s) {unknown}; installed: {', '.join(installed)}")
     out_dir = Path(args.out)
     print(f"estimating {len(systems)} system(s)")
     data = collect(systems, calibrate=not args.no_calibration)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,14 @@ def _rng_state() -> dict[str, Any]:
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
+    """Restore _rng_state(); torch wants CPU ByteTensors, whatever device the checkpoint was loaded to."""
+    torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
     py = state["python"]
     random.setstate((state["python_version"], tuple(py[:-1]), py[-1]))
-    np.random.set_state(("MT19937", state["numpy"]["keys"].numpy().astype(np.uint32), state["numpy"]["pos"]))
+    np.random.set_state(("MT19937", state["numpy"]["keys"].cpu().numpy().astype(np.uint32),
+                         state["numpy"]["pos"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([t.to("cpu", torch.uint8) for t in state["cuda"]])
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -52,20 +55,31 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def write_atomic(path: Path, state: dict[str, Any]) -> Path:
-    """torch.save to path atomically: a temp file, fsync, rename (readers never see half a file)."""
+def _write_atomic(path: Path, write: Callable[[Any], None]) -> Path:
+    """write(file) into a temp file beside path, fsync, rename: readers never see half a file, and a
+    failure (full disk, Ctrl-C) leaves no temp file behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half
-    except BaseException:  # full disk, Ctrl-C, ...: leave no half-written temp file behind
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def write_atomic(path: Path, state: dict[str, Any]) -> Path:
+    """torch.save to path atomically (temp file, fsync, rename)."""
+    return _write_atomic(path, lambda f: torch.save(state, f))
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    """A text file written atomically (temp file, fsync, rename)."""
+    return _write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 3) -> Path:

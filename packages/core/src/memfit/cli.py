@@ -14,9 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from memfit.errors import run_command
+from memfit.errors import UsageError, run_command
 from memfit.estimate import add_parser as estimate_parser
-from memfit.flags import hidden_alias
+from memfit.flags import Parser, check_numbers, hidden_alias
 from memfit.system import BudgetEntry, available_systems, load_system
 
 # ----------------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def pick_system(argv: list[str]) -> tuple[str, list[str]]:
                 del rest[i]
             else:
                 if i + 1 >= len(rest):
-                    raise SystemExit(f"error: --system needs a name; installed systems: {choices}")
+                    raise UsageError(f"error: --system needs a name; installed systems: {choices}")
                 name = rest[i + 1]
                 del rest[i : i + 2]
             break
@@ -71,12 +71,12 @@ def pick_system(argv: list[str]) -> tuple[str, list[str]]:
             if name is None and len(systems) == 1:
                 name = next(iter(systems))
     if name is None:
-        raise SystemExit(
+        raise UsageError(
             "error: which system? Several are installed; say `uv run --package <system> train` or "
             f"`train --system <system>`. Installed systems: {choices}"
         )
     if name not in systems:
-        raise SystemExit(f"error: unknown system {name!r}; installed systems: {choices}")
+        raise UsageError(f"error: unknown system {name!r}; installed systems: {choices}")
     return name, rest
 
 
@@ -89,7 +89,7 @@ def _dispatch(kind: str, argv: list[str] | None) -> None:
     name, rest = pick_system(argv)
     system = load_system(name)
     sys.argv[0] = f"{name} {kind}"  # argparse's prog: `--help` says which system answered
-    status = run_command(sys.argv[0], getattr(system, kind), rest)
+    status = run_command(sys.argv[0], system.entry(kind), rest)
     if status:
         raise SystemExit(status)
 
@@ -164,7 +164,7 @@ def format_budget_table(rows: list[dict]) -> str:
 def _budget(args: argparse.Namespace) -> int:
     if args.system is not None and args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
-        raise SystemExit(f"error: unknown system {args.system!r}; installed systems: {choices}")
+        raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
     rows = budget_rows(args.system)
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -181,11 +181,10 @@ def _fit(args: argparse.Namespace) -> int:
 
     if args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
-        raise SystemExit(f"error: unknown system {args.system!r}; installed systems: {choices}")
+        raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
     if args.gpu_gib is None:
-        raise SystemExit("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
-    if args.gpu_gib <= 0:
-        raise SystemExit(f"error: --gpu_gib must be positive, got {args.gpu_gib}")
+        raise UsageError("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
+    check_numbers(args, gpu_gib=">0", max_batch=">=1")
     results = fit_system(args.system, args.gpu_gib, args.max_batch, args.variant)
     if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
         print(message, file=sys.stderr)
@@ -208,14 +207,18 @@ def _run_extra(args: argparse.Namespace) -> int:
     system = load_system(args.system)
     if args.cmd not in system.extra_commands:
         choices = ", ".join(sorted(system.extra_commands)) or "none"
-        raise SystemExit(f"error: {args.system} has no command {args.cmd!r}; its extra commands: {choices}")
+        raise UsageError(f"error: {args.system} has no command {args.cmd!r}; its extra commands: {choices}")
     sys.argv[0] = f"{args.system} {args.cmd}"
-    return run_command(sys.argv[0], system.extra_commands[args.cmd], args.args)
+    return run_command(sys.argv[0], system.entry(args.cmd), args.args)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The `memfit` command."""
-    parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
+    """The `memfit` command: SystemExit with status 0, or 2 with one line for bad input."""
+    raise SystemExit(run_command("memfit", _main, argv))
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = Parser(prog="memfit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("budget", help="estimated training-step peak of every system vs its budget")
     p.add_argument("--system", help="only this system")
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     p = sub.add_parser("systems", help="list installed systems and their extra commands")
     p.set_defaults(func=_systems)
     args = parser.parse_args(argv)
-    raise SystemExit(args.func(args))
+    return args.func(args)
 
 
 if __name__ == "__main__":

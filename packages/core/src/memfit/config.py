@@ -1,21 +1,40 @@
-"""Config dataclasses as every system uses them: dict round trip, named presets, overrides from flags.
+"""Config dataclasses as every system uses them: dict round trip, named presets, validation.
 
-A system's config is a plain dataclass. ``to_dict``/``from_dict`` turn it into the JSON-able dict a
-checkpoint stores (unknown keys are ignored, so an older reader can open a newer checkpoint);
-``get_config(presets, name, **overrides)`` copies a named preset with fields replaced;
-``overrides_from_args(args, {"flag": "field"})`` collects the overrides the user actually gave on the
-command line (a flag left at None is not an override; an explicit value, even ``none``, is).
+A system's model config is a plain frozen dataclass. ``to_dict``/``from_dict`` turn it into the JSON-able
+dict a checkpoint stores and back (an unknown key is an error naming it: a checkpoint or file written by
+another version, or a typo, is never half-read). ``get_config(presets, name, **overrides)`` copies a named
+preset with fields replaced; ``check_fields(self, lr=">0")`` validates numbers in ``__post_init__``.
 Each package's ``config.get_config(name, **overrides)`` is this function bound to its PRESETS.
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, fields, is_dataclass, replace
 from typing import Any, TypeVar
 
 C = TypeVar("C")
+
+_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
+    ">0": (lambda v: v > 0, "> 0"),
+    ">=0": (lambda v: v >= 0, ">= 0"),
+    ">=1": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def check_fields(obj: Any, **rules: str) -> None:
+    """check_fields(self, lr=">0", batch_size=">=1") raises ValueError "lr must be > 0, got 0" (rules
+    ">0", ">=0", ">=1"; None is skipped; NaN, infinity, bools and strings are refused)."""
+    for name, rule in rules.items():
+        value = getattr(obj, name, None)
+        if value is None:
+            continue
+        ok, text = _RULES[rule]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not math.isfinite(value) or not ok(value):
+            shown = f"{value:g}" if number else repr(value)
+            raise ValueError(f"{name} must be {text}, got {shown}")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -40,9 +59,12 @@ def config_difference(old: Mapping[str, Any], new: Mapping[str, Any], limit: int
 
 
 def from_dict(cls: type[C], d: Mapping[str, Any]) -> C:
-    """The dataclass `cls` from a dict; keys that are not fields of cls are ignored."""
+    """The dataclass `cls` from a dict (validated by its __post_init__); ValueError naming an unknown key."""
     names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in d.items() if k in names})
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field {', '.join(map(repr, unknown))}")
+    return cls(**d)
 
 
 def get_config(presets: Mapping[str, Any], name: str, **overrides: Any) -> Any:
@@ -59,12 +81,3 @@ def get_config(presets: Mapping[str, Any], name: str, **overrides: Any) -> Any:
     if unknown:
         raise ValueError(f"{type(base).__name__} has no field {', '.join(unknown)}")
     return replace(base, **overrides)
-
-
-def overrides_from_args(args: argparse.Namespace, mapping: Mapping[str, str]) -> dict[str, Any]:
-    """{field: value} for the flags in mapping ({flag_dest: field}) that the user set (not None, present)."""
-    out = {}
-    for dest, field_name in mapping.items():
-        if hasattr(args, dest) and getattr(args, dest) is not None:
-            out[field_name] = getattr(args, dest)
-    return out

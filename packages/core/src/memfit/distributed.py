@@ -8,19 +8,23 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from memfit.errors import UsageError
+
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """'auto' -> the local CUDA device under torchrun, cuda if available, else cpu."""
+    """'auto' -> CUDA when available, else the CPU; 'cuda' (no index) -> this process's GPU: under
+    torchrun each rank takes GPU LOCAL_RANK, never all of them GPU 0."""
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", dist_info().local_rank)
-        return torch.device("cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise SystemExit(f"error: unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda asked for, but no CUDA GPU is available; use --device cpu")
+        raise UsageError(f"error: unknown device {name!r}; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("error: --device cuda asked for, but no CUDA GPU is available; use --device cpu")
+        if device.index is None:
+            device = torch.device("cuda", dist_info().local_rank)
     return device
 
 

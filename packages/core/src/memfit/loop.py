@@ -4,8 +4,13 @@ A package supplies a model, an optimizer, ``loss_fn(model, batch)`` and ``get_ba
 ``Trainer`` adds autocast (bf16, or fp16 with a GradScaler), gradient accumulation, clipping, DDP under
 torchrun, a progress bar, JSON-lines metrics, atomic checkpoints and exact resume, and the peak memory.
 
+The Trainer owns the run's progress: the steps done and the training seconds spent, over every resume of
+the run (both are saved in each checkpoint). ``--max_minutes`` is a budget for the whole run, and the
+learning rate is a function of that progress (``lr_schedule(Progress) -> multiplier``), so a run that is
+interrupted and resumed follows the same schedule as one that never stopped.
+
 Resume is exact because everything that varies between steps is a function of the step: batches come
-from ``get_batch(step, micro)`` (seeded per step by the package), and the RNG state, optimizer, scheduler
+from ``get_batch(step, micro)`` (seeded per step by the package), and the RNG state, optimizer, progress
 and scaler are restored from the checkpoint.
 """
 
@@ -19,7 +24,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +44,13 @@ from memfit.checkpoint import (
     write_atomic,
 )
 from memfit.config import config_dict, config_difference
-from memfit.cpu import keep_freed_memory
+from memfit.cpu import keep_freed_memory, set_threads
 from memfit.distributed import init_distributed, resolve_device
 from memfit.errors import UsageError, os_error_message
-from memfit.flags import UNTIL_BUDGET, LoopConfig
 from memfit.memory import MIB, PeakMemory, training_state_tensors
 from memfit.metrics_log import MetricsLog
 from memfit.run_dir import RunFolder
+from memfit.settings import LoopConfig, Settings, tree_dict, write_run_config
 
 
 def set_seed(seed: int) -> None:
@@ -61,26 +66,47 @@ def step_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch
     return g
 
 
-def warmup_cosine_lambda(
-    total: int, warmup: int, min_ratio: float = 0.1, max_minutes: float | None = None
-) -> Callable[[int], float]:
-    """LR multiplier: linear warmup to 1 over `warmup` steps, cosine down to `min_ratio` at `total`.
+def now() -> float:
+    """The Trainer's clock (monotonic seconds), read once per step boundary; tests replace it."""
+    return time.monotonic()
 
-    With max_minutes (a --max_minutes time budget) the cosine follows whichever is further along, the
-    steps or the wall clock since this call, so the rate reaches its floor when the budget runs out.
-    """
-    start = time.monotonic()
 
-    def f(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / (warmup + 1)  # nanoGPT's get_lr: never exactly 0, reaches 1 after warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        if max_minutes:
-            progress = max(progress, (time.monotonic() - start) / (60 * max_minutes))
-        progress = min(1.0, progress)
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+@dataclass(frozen=True)
+class Progress:
+    """How far a run is: optimizer steps done and training seconds spent (over every resume), against
+    its step target and time budget (either may be None)."""
 
-    return f
+    step: int
+    seconds: float
+    steps: int | None
+    budget_s: float | None
+
+    def fraction(self, warmup: int = 0, total_steps: int | None = None) -> float:
+        """In [0, 1]: the further along of the steps after warmup and the time budget."""
+        steps = total_steps or self.steps
+        parts = []
+        if steps:
+            parts.append((self.step - warmup) / max(1, steps - warmup))
+        if self.budget_s:
+            parts.append(self.seconds / self.budget_s)
+        return min(1.0, max(0.0, *parts)) if parts else 0.0
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """LR multiplier: linear warmup to 1 over `warmup` steps (nanoGPT's get_lr: never exactly 0), then a
+    cosine down to `min_ratio` at the end of the run: its steps (or `total_steps`) or its time budget,
+    whichever comes first."""
+
+    warmup: int = 0
+    min_ratio: float = 0.1
+    total_steps: int | None = None
+
+    def __call__(self, p: Progress) -> float:
+        if self.warmup > 0 and p.step < self.warmup:
+            return (p.step + 1) / (self.warmup + 1)
+        x = p.fraction(self.warmup, self.total_steps)
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * x))
 
 
 def ema_avg_fn(decay: float) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -94,15 +120,14 @@ def ema_avg_fn(decay: float) -> Callable[[torch.Tensor, torch.Tensor, torch.Tens
     return avg
 
 
-def _of_steps(steps: int) -> str:
+def _of_steps(steps: int | None) -> str:
     """ " of N" for a progress message, nothing for a run that goes until its time budget."""
-    return "" if steps >= UNTIL_BUDGET else f" of {steps}"
+    return "" if steps is None else f" of {steps}"
 
 
-def _progress(total: int, initial: int, enabled: bool):
+def _progress(total: int | None, initial: int, enabled: bool):
     from tqdm.auto import tqdm
 
-    total = None if total >= UNTIL_BUDGET else total  # a budget run: steps and rate, no bogus ETA
     return tqdm(total=total, initial=initial, disable=not enabled, dynamic_ncols=True, unit="step")
 
 
@@ -119,18 +144,27 @@ def autocast_context(amp: str, device: torch.device) -> contextlib.AbstractConte
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-STOP_NONE, STOP_TIME, STOP_SIGNAL = 0, 1, 2
+STOP_NONE, STOP_DONE, STOP_TIME, STOP_SIGNAL = 0, 1, 2, 3
+
+
+# A repeated SIGINT/SIGTERM within this many seconds of the first is the same request (uv and shells
+# forward a terminal's Ctrl-C to the whole process group, so one key press can arrive twice).
+DUPLICATE_SIGNAL_S = 1.0
 
 
 @dataclass
 class Trainer:
-    """Runs `cfg.steps` optimizer steps of `loss_fn(model, get_batch(step, micro))`; see module docstring.
+    """Runs `cfg.steps` optimizer steps (or until `cfg.max_minutes`) of `loss_fn(model, get_batch(step,
+    micro))`; see the module docstring.
 
     loss_fn returns a scalar loss or (loss, {name: float}); get_batch must be deterministic in
-    (step, micro) for exact resume; eval_fn(model) -> {name: float} runs every eval_every steps (rank 0).
+    (step, micro) for exact resume; lr_schedule(Progress) -> a multiplier of each param group's lr as the
+    optimizer was built; eval_fn(model) -> {name: float} runs every eval_every steps (rank 0).
     With best_metric, every evaluation that improves results[best_metric] (higher with best_mode="max",
     lower with "min") writes run_dir/best.pt (the same schema as the step checkpoints) and the metrics
-    carry best/<metric> and best_step.
+    carry best/<metric> and best_step. With settings, the run folder gets config.json at start (what
+    `train --config FILE` and `--resume` read back). The run folder is `run_dir`, else
+    cfg.runs_dir/<system>/cfg.run_name; `resume` continues the run there, `overwrite` replaces it.
     """
 
     model: nn.Module
@@ -138,15 +172,20 @@ class Trainer:
     loss_fn: Callable[[nn.Module, Any], Any]
     get_batch: Callable[[int, int], Any]
     cfg: LoopConfig
-    scheduler: Any = None
+    lr_schedule: Callable[[Progress], float] | None = None
     eval_fn: Callable[[nn.Module], dict[str, float]] | None = None
     eval_every: int = 0
     config: Any = None  # the model config dataclass (or dict): checkpoint["config"], rebuilds the model
-    meta: dict[str, Any] | None = None  # what else eval needs to know (data, tokenizer, preset name...)
+    meta: dict[str, Any] | None = None  # what else eval needs to know (data, tokenizer...)
     items_per_step: int | None = None  # e.g. tokens per optimizer step, for throughput
     best_metric: str | None = None
     best_mode: str = "max"  # "max" | "min"
     system: str | None = None  # the registered system name, saved in checkpoints and checked on resume
+    settings: Settings | None = None  # the run's whole settings tree (config.json, checkpoints)
+    preset: str | None = None
+    run_dir: str | Path | None = None
+    resume: bool = False
+    overwrite: bool = False
     step: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -155,43 +194,63 @@ class Trainer:
         self.best_value: float | None = None
         self.best_step: int | None = None
         self.stopped_early = False
+        self.seconds = 0.0  # training time spent by the run, over every resume
         self.device = resolve_device(self.cfg.device)
+        if self.cfg.threads is not None:
+            set_threads(self.cfg.threads)
         if self.device.type == "cpu":
             # reuse freed activation blocks instead of page-faulting them in every step (process-wide and
             # for good: memfit.cpu; MEMFIT_KEEP_FREED=0 leaves malloc alone)
             keep_freed_memory()
         self.dist = init_distributed(self.device)
-        self.run_dir = Path(self.cfg.run_dir)
+        self.run_dir = Path(self.run_dir) if self.run_dir is not None else self.cfg.run_dir(self.system)
         self.folder = RunFolder(self.run_dir)
         if self.dist.is_main:  # refuse a used folder or a live trainer before anything is written
-            self.folder.open(self.cfg.resume, self.cfg.overwrite)
+            self.folder.open(self.resume, self.overwrite)
         self.raw_model = self.model  # what is saved; self.model may be wrapped (DDP, compile)
+        self.ddp: nn.parallel.DistributedDataParallel | None = None
         self.ema_model = (
             torch.optim.swa_utils.AveragedModel(self.raw_model, avg_fn=ema_avg_fn(self.cfg.ema))
             if self.cfg.ema
             else None
         )
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.amp == "fp16")
         self.peak_memory_bytes = 0
         self._signal: int | None = None
+        self._signal_at = 0.0
         set_seed(self.cfg.seed + self.dist.rank)
         try:
-            if self.cfg.resume:
+            if self.resume:
                 self._resume()
+            if self.dist.is_main and self.settings is not None:
+                write_run_config(self.run_dir, self.system, self.preset, self.config, self.settings)
             self.metrics = MetricsLog(
                 self.run_dir / "metrics.jsonl",
                 enabled=self.dist.is_main,
                 tensorboard=self.cfg.tensorboard,
-                purge_step=self.step + 1 if self.cfg.resume else None,
+                purge_step=self.step + 1 if self.resume else None,
             )
         except BaseException:
             self.folder.release()
             raise
         if self.dist.world_size > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
-        if self.cfg.compile:
+            self.ddp = self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
+        if self.cfg.compile:  # after the DDP wrap (DDPOptimizer); accumulation uses self.ddp.no_sync
             self.model = torch.compile(self.model)
+
+    # -- progress ---------------------------------------------------------------------------------
+    def progress(self) -> Progress:
+        budget = self.cfg.max_minutes * 60 if self.cfg.max_minutes else None
+        return Progress(self.step, self.seconds, self.cfg.steps, budget)
+
+    def _apply_lr(self) -> None:
+        if self.lr_schedule is None:
+            return
+        factor = self.lr_schedule(self.progress())
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -199,14 +258,15 @@ class Trainer:
             "format": CHECKPOINT_FORMAT,
             "system": self.system,
             "step": self.step,
+            "progress": {"seconds": self.seconds},
             "model": self.raw_model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict(),
             "rng": _rng_state(),
             "config": config_dict(self.config),
+            "settings": {"preset": self.preset, "train": tree_dict(self.settings.train),
+                         "loop": tree_dict(self.settings.loop)} if self.settings is not None else None,
             "meta": self.meta or {},
-            "loop_config": asdict(self.cfg),
             "best": {"metric": self.best_metric, "value": self.best_value, "step": self.best_step},
             **({"ema_model": self.ema_model.module.state_dict(), "ema_n": int(self.ema_model.n_averaged)}
                if self.ema_model is not None else {}),
@@ -235,8 +295,8 @@ class Trainer:
             return
         state, path = None, None
         for candidate in reversed(ckpts):
-            try:
-                state, path = load_checkpoint(candidate, map_location=self.device), candidate
+            try:  # on the CPU: the RNG states must stay CPU ByteTensors; load_state_dict moves the rest
+                state, path = load_checkpoint(candidate, map_location="cpu"), candidate
                 break
             except ValueError as e:
                 if self.dist.is_main:
@@ -255,6 +315,16 @@ class Trainer:
                 f"error: --resume: {path} is a {saved} checkpoint, not {self.system}; "
                 "use another --run_name for this system"
             )
+        # fields that change how the model runs (recompute, a kernel), not what it computes, may change
+        runtime = set(getattr(type(self.config), "RUNTIME_FIELDS", ("checkpoint",)))
+        old, new = ({k: v for k, v in c.items() if k not in runtime}
+                    for c in (state.get("config") or {}, config_dict(self.config)))  # fmt: skip
+        diff = config_difference(old, new)
+        if diff:
+            raise UsageError(
+                f"error: --resume: {path} was trained with another model config ({diff}); pass the same "
+                "--config and size flags as that run (a bare --resume reads them), or use another --run_name"
+            )
         try:
             self.raw_model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -268,33 +338,31 @@ class Trainer:
                 f"error: --resume: {path} was trained with another model config ({why}); "
                 "pass the same --config and size flags as that run, or use another --run_name"
             ) from None
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self.seconds = float((state.get("progress") or {}).get("seconds", 0.0))
         best = state.get("best") or {}
         if best.get("metric") == self.best_metric and best.get("value") is not None:
             self.best_value, self.best_step = float(best["value"]), int(best["step"])
         if self.dist.is_main:
             dropped = self.folder.truncate_metrics(self.step)
             note = f"; dropped {dropped} metrics rows after it" if dropped else ""
-            print(f"[memfit] resumed from {path} at step {self.step}{note}", file=sys.stderr)
+            spent = f", {self.seconds / 60:.1f} min trained" if self.seconds else ""
+            print(f"[memfit] resumed from {path} at step {self.step}{spent}{note}", file=sys.stderr)
 
     # -- one optimizer step -----------------------------------------------------------------------
     def _train_step(self) -> tuple[float, dict[str, float]]:
         self.model.train()
+        self._apply_lr()
         total = 0.0
         extra: dict[str, float] = {}
         accum = self.cfg.grad_accum
         for micro in range(accum):
             batch = self.get_batch(self.step, micro)
-            is_last = micro == accum - 1
-            sync = (
-                self.model.no_sync()
-                if (not is_last and isinstance(self.model, nn.parallel.DistributedDataParallel))
-                else contextlib.nullcontext()
-            )
+            # DDP averages gradients in the last micro-batch's backward only
+            last_micro = self.ddp is None or micro == accum - 1
+            sync = contextlib.nullcontext() if last_micro else self.ddp.no_sync()
             with sync:
                 with autocast_context(self.cfg.amp, self.device):
                     out = self.loss_fn(self.model, batch)
@@ -311,8 +379,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema_model is not None:
             self.ema_model.update_parameters(self.raw_model)
-        if self.scheduler is not None:
-            self.scheduler.step()
         if not math.isfinite(total):
             raise FloatingPointError(
                 f"loss became {total} at step {self.step}; lower --lr, use --amp bf16/none, or check the data"
@@ -320,7 +386,7 @@ class Trainer:
         return total, extra
 
     def fit(self) -> dict[str, Any]:
-        """Train to cfg.steps; returns the last metrics (with peak_memory_mib).
+        """Train to cfg.steps (or until cfg.max_minutes); returns the last metrics (with peak_memory_mib).
 
         SIGINT/SIGTERM finish the current step, save a checkpoint and raise SystemExit(128 + signal);
         --max_minutes stops the same way with status 0 (last["stopped_early"]).
@@ -342,13 +408,11 @@ class Trainer:
         bar = _progress(cfg.steps, self.step, cfg.progress and self.dist.is_main)
         last: dict[str, Any] = {"step": self.step}
         t_last, steps_since = time.perf_counter(), 0
-        t_start = time.perf_counter()
         start_step = self.step
+        clock = now()  # one reading per step boundary: the run's seconds and every decision follow it
         stop = STOP_NONE
         try:
-            while self.step < cfg.steps:
-                if self.step > start_step and (stop := self._stop_reason(t_start)):
-                    break
+            while not (stop := self._stop_reason()):
                 measure = self.device.type == "cpu" and self.step - start_step < cfg.measure_memory_steps
                 if measure:
                     held = training_state_tensors(self.raw_model, self.optimizer)
@@ -358,6 +422,9 @@ class Trainer:
                 else:
                     loss, extra = self._train_step()
                 self.step += 1
+                t = now()
+                self.seconds += t - clock
+                clock = t
                 steps_since += 1
                 bar.update(1)
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
@@ -379,7 +446,7 @@ class Trainer:
                     self.metrics.write(last)
                 if self.eval_fn is not None and self.eval_every and self.step % self.eval_every == 0:
                     self._evaluate(last)
-                if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.steps:
+                if cfg.save_every and self.step % cfg.save_every == 0 and self.step != cfg.steps:
                     self.save()
         finally:
             bar.close()
@@ -394,13 +461,24 @@ class Trainer:
                 )
             raise SystemExit(128 + signum)
         self.stopped_early = stop == STOP_TIME
+        if self.step == start_step and self.resume:  # nothing left to train: the run was already done
+            if self.dist.is_main:
+                why = (f"its --max_minutes {cfg.max_minutes:g} budget is spent" if self.stopped_early
+                       else f"it is at step {self.step}{_of_steps(cfg.steps)}")  # fmt: skip
+                print(
+                    f"[memfit] --resume: nothing to train, {why}; raise --steps or --max_minutes (the run's "
+                    "total) to train on",
+                    file=sys.stderr,
+                )
+            return {**last, "stopped_early": self.stopped_early, "peak_memory_mib": 0.0}
         if self.eval_fn is not None and (not self.eval_every or self.step % self.eval_every):
             self._evaluate(last)
         path = self.save()
         if self.stopped_early and self.dist.is_main:
             print(
-                f"[memfit] --max_minutes {cfg.max_minutes:g} reached: stopped at step {self.step}"
-                f"{_of_steps(cfg.steps)}; checkpoint {path}; continue with --resume",
+                f"[memfit] --max_minutes {cfg.max_minutes:g} spent ({self.seconds / 60:.1f} min trained): "
+                f"stopped at step {self.step}{_of_steps(cfg.steps)}; checkpoint {path}; to train on, "
+                "--resume with a larger --max_minutes (the run's total)",
                 file=sys.stderr,
             )
         last["stopped_early"] = self.stopped_early
@@ -416,15 +494,19 @@ class Trainer:
         return last
 
     def _catch_signals(self) -> dict[int, Any]:
-        """SIGINT/SIGTERM set a flag the loop reads after each step; a second one stops at once."""
+        """SIGINT/SIGTERM set a flag the loop reads after each step. A repeat within DUPLICATE_SIGNAL_S of
+        the first is the same request (uv forwards Ctrl-C to the process group); a later one stops at once."""
         self._signal = None
         if threading.current_thread() is not threading.main_thread():
             return {}
 
         def handler(signum: int, frame: Any) -> None:
+            t = time.monotonic()
             if self._signal is not None:
+                if t - self._signal_at < DUPLICATE_SIGNAL_S:
+                    return
                 raise KeyboardInterrupt
-            self._signal = signum
+            self._signal, self._signal_at = signum, t
             if self.dist.is_main:
                 print(
                     f"\n[memfit] {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
@@ -434,11 +516,15 @@ class Trainer:
 
         return {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
 
-    def _stop_reason(self, t_start: float) -> int:
-        """STOP_SIGNAL, STOP_TIME (--max_minutes spent) or STOP_NONE; every rank takes the same decision."""
-        reason = STOP_SIGNAL if self._signal is not None else STOP_NONE
-        minutes = self.cfg.max_minutes
-        if not reason and minutes is not None and time.perf_counter() - t_start >= minutes * 60:
+    def _stop_reason(self) -> int:
+        """At a step boundary: STOP_SIGNAL, STOP_TIME (the run's --max_minutes spent), the step target
+        reached (STOP_DONE) or STOP_NONE; every rank takes the same decision."""
+        reason = STOP_NONE
+        if self._signal is not None:
+            reason = STOP_SIGNAL
+        elif self.cfg.steps is not None and self.step >= self.cfg.steps:
+            reason = STOP_DONE
+        elif self.cfg.max_minutes is not None and self.seconds >= self.cfg.max_minutes * 60:
             reason = STOP_TIME
         if self.dist.world_size > 1 and dist.is_initialized():
             flag = torch.tensor([reason], device=self.device if self.device.type == "cuda" else "cpu")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from importlib import import_module
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -54,9 +55,21 @@ class BudgetEntry:
     scaling: Scaling | None = None
 
 
+Command = Callable[[list[str] | None], object]
+
+
+def _resolve(spec: Command | str) -> Command:
+    """A command, or "package.module:function" imported on first use (`train --help` stays fast)."""
+    if not isinstance(spec, str):
+        return spec
+    module, _, attr = spec.partition(":")
+    return getattr(import_module(module), attr)
+
+
 @dataclass
 class System:
-    """A model package as the core sees it. train/eval take argv (None = sys.argv[1:]).
+    """A model package as the core sees it. Commands (train, eval, extra ones) take argv (None =
+    sys.argv[1:]); each is a function or its "package.module:function" path, imported when first run.
 
     config_cls and build_model(config) -> nn.Module are what ``load_model`` needs to rebuild a trained
     model from any checkpoint of the system (checkpoint["config"] holds the config as a dict).
@@ -64,10 +77,10 @@ class System:
 
     name: str
     summary: str
-    train: Callable[[list[str] | None], object]
-    eval: Callable[[list[str] | None], object]
+    train: Command | str
+    eval: Command | str
     budgets: Callable[[], list[BudgetEntry]] = field(default=lambda: [])
-    extra_commands: dict[str, Callable[[list[str] | None], object]] = field(default_factory=dict)
+    extra_commands: dict[str, Command | str] = field(default_factory=dict)
     config_cls: type | None = None
     build_model: Callable[[Any], Any] | None = None
 
@@ -118,13 +131,22 @@ class System:
         state["path"] = str(path)  # which file was loaded, for eval reports
         return model.to(device).eval(), state
 
-    def command(self, kind: str) -> Callable[..., int]:
-        """The console entry point of `train`, `eval` or an extra command (the package's aliases such as
-        `mbsnet-train`): exit status 0 on success, 2 with one line on bad input, 130/143 on a signal."""
+    def entry(self, kind: str) -> Command:
+        """The function of `train`, `eval` or an extra command (imported now if given as a path)."""
         commands = {"train": self.train, "eval": self.eval, **self.extra_commands}
         if kind not in commands:
             raise KeyError(f"{self.name} has no command {kind!r}; it has {', '.join(commands)}")
-        return console(commands[kind])
+        return _resolve(commands[kind])
+
+    def command(self, kind: str) -> Callable[..., int]:
+        """The console entry point of `train`, `eval` or an extra command (the package's aliases such as
+        `mbsnet-train`): exit status 0 on success, 2 with one line on bad input, 130/143 on a signal."""
+
+        def run(argv: list[str] | None = None) -> object:
+            return self.entry(kind)(argv)
+
+        run.__name__ = f"{self.name}_{kind}".replace("-", "_")
+        return console(run)
 
 
 _REGISTERED: dict[str, System] = {}
@@ -155,8 +177,8 @@ def load_system(name: str) -> System:
     eps = available_systems()
     if name not in eps:
         choices = ", ".join(sorted(eps)) or "none installed"
-        raise SystemExit(f"memfit: unknown system {name!r}; installed systems: {choices}")
+        raise UsageError(f"error: unknown system {name!r}; installed systems: {choices}")
     system = eps[name].load()
     if not isinstance(system, System):
-        raise SystemExit(f"memfit: entry point {name!r} does not point at a memfit.system.System")
+        raise UsageError(f"error: entry point {name!r} does not point at a memfit.system.System")
     return system

@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit import config
+from memfit.config import check_fields
+from memfit.settings import LoopConfig, Settings
 
 DECODERS = ("attn", "ff", "xattn")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GINRConfig:
     # image and tokenisation
     image_size: int = 32
@@ -108,3 +110,40 @@ PRESETS: dict[str, GINRConfig] = {
 def get_config(name: str = "balanced", **overrides) -> GINRConfig:
     """A preset by name with field overrides (memfit.config.get_config)."""
     return config.get_config(PRESETS, name, **overrides)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How `train` trains (settings.train): data, sampled pixels, optimizer and validation."""
+
+    data: str | None = None  # CIFAR-10 batches folder or ImageFolder tree; None: the embedded set
+    max_images: int | None = None  # use only the first N training images
+    holdout: int = 500  # training images held out, unseen by training and validation (eval's split)
+    batch_size: int = 64  # images per step
+    num_sample_coords: int = 512  # pixels per image per step (of 1024)
+    jitter: float = 0.0  # move sampled coordinates up to this many pixels off their centres
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: int = 100
+    eval_every: int = 0  # validation PSNR every N steps, the best kept as best.pt (0: at the end)
+    eval_images: int = 500  # validation images, carved from the training part
+
+    def __post_init__(self) -> None:
+        check_fields(self, max_images=">=1", holdout=">=0", batch_size=">=1", num_sample_coords=">=1")
+        check_fields(self, jitter=">=0", lr=">0", weight_decay=">=0", warmup=">=0", eval_every=">=0")
+        check_fields(self, eval_images=">=1")
+
+
+def _settings(name: str, train: TrainConfig = TrainConfig()):
+    def make(device) -> Settings:
+        return Settings(get_config(name), train, LoopConfig(steps=1000, log_every=10, save_every=200))
+
+    return make
+
+
+# "cpu": chosen by measurement on one CPU thread (docs/results.md); every other preset keeps the seed's
+# training recipe.
+CPU_TRAIN = TrainConfig(
+    batch_size=32, num_sample_coords=256, jitter=0.5, lr=3e-3, warmup=50, eval_every=100, eval_images=250
+)
+SETTINGS = {name: _settings(name, CPU_TRAIN if name == "cpu" else TrainConfig()) for name in PRESETS}

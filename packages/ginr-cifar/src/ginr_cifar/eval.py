@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from memfit.distributed import resolve_device
+from memfit.errors import UsageError
 from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.metrics import psnr_per_image
 from memfit.run_dir import resolve_run
-from memfit.training import resolve_device
 
 from ginr_cifar.data import SPLITS, _find_cifar_batches, default_cache_dir, load_split
 from ginr_cifar.model import GINR
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
         if len(images) == 0:
             raise ValueError(f"split {split!r} is empty (holdout={holdout}, val={val}); nothing to evaluate")
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"ginr-eval: {e}") from None
+        raise UsageError(f"error: {e}") from None
 
     size = model.cfg.image_size
     res = args.resolution or size

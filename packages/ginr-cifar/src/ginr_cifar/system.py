@@ -80,23 +80,15 @@ def budget_entries() -> list[BudgetEntry]:
     return entries
 
 
-def _train(argv):
-    from ginr_cifar.train import main
-
-    return main(argv)
 
 
-def _eval(argv):
-    from ginr_cifar.eval import main
-
-    return main(argv)
 
 
 SYSTEM = System(
     name="ginr-cifar",
     summary="Mamba-GINR on CIFAR-10; SCENT-style decoder made query-independent (ff / xattn) to fit",
-    train=_train,
-    eval=_eval,
+    train="ginr_cifar.train:main",
+    eval="ginr_cifar.eval:main",
     budgets=budget_entries,
     config_cls=GINRConfig,
     build_model=GINR,

@@ -12,27 +12,15 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from memfit.config import overrides_from_args
-from memfit.flags import fill_from_recipe
-from memfit.training import (
-    Trainer,
-    add_loop_args,
-    add_model_args,
-    autocast_context,
-    check_numbers,
-    dist_info,
-    loop_config_from_args,
-    resolve_device,
-    set_seed,
-    step_generator,
-    warmup_cosine_lambda,
-)
+from memfit.distributed import dist_info
+from memfit.errors import UsageError
+from memfit.loop import Trainer, WarmupCosine, autocast_context, set_seed, step_generator
+from memfit.settings import TrainParser
 
-from ginr_cifar.config import PRESETS, get_config
+from ginr_cifar.config import SETTINGS
 from ginr_cifar.data import default_cache_dir, load_split, sample_batch
 from ginr_cifar.eval import evaluate_psnr, mean_colour_psnr
 from ginr_cifar.model import GINR
@@ -40,92 +28,38 @@ from ginr_cifar.model import GINR
 SYSTEM_NAME = "ginr-cifar"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--data", default=None, help="CIFAR-10 batches folder or ImageFolder tree (default: embedded)"
-    )
-    add_model_args(p, PRESETS, "auto", help="preset (auto: balanced on CUDA, the CPU recipe (cpu) otherwise)")
-    p.add_argument("--decoder", choices=["attn", "ff", "xattn"], default=None, help="decoder variant")
-    p.add_argument("--decoder_width", type=int, default=None)
-    p.add_argument("--decoder_depth", type=int, default=None, help="decoder scales")
-    p.add_argument("--batch_size", type=int, default=None, help="images per step (default: the recipe's)")
-    p.add_argument(
-        "--num_sample_coords", type=int, default=None, help="pixels per image per step (of 1024; recipe's)"
-    )
-    p.add_argument(
-        "--jitter",
-        type=float,
-        default=None,
-        help="move sampled coordinates up to this many pixels off their centres, bilinear targets "
-        "(0: pixel centres only; recipe's)",
-    )
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's)")
-    p.add_argument("--weight_decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=None, help="linear warmup steps before the cosine decay")
-    p.add_argument(
-        "--holdout",
-        type=int,
-        default=500,
-        help="training images held out, unseen by training and validation (eval's default split)",
-    )
-    p.add_argument("--max_images", type=int, default=None, help="use only the first N training images")
-    p.add_argument(
-        "--eval_every",
-        type=int,
-        default=None,
-        help="validation PSNR every N steps, the best kept as best.pt (0: at the end; recipe's)",
-    )
-    p.add_argument(
-        "--eval_images",
-        type=int,
-        default=None,
-        help="validation images, carved from the training part (recipe's)",
-    )
-    p.add_argument("--cache_dir", default=str(default_cache_dir()), help="decoded-image cache for folders")
-    p.add_argument("--no_cache", action="store_true", help="decode image folders every time")
-    p.add_argument("--profile", action="store_true", help="time encode vs decode, report memory, and exit")
-    p.add_argument("--profile_iters", type=int, default=10)
-    add_loop_args(p, steps=None, log_every=10, save_every=200)
+def build_parser() -> TrainParser:
+    p = TrainParser(SYSTEM_NAME, __doc__, SETTINGS, auto=("balanced", "cpu"))
+    m = p.group("model")
+    p.flag(m, "--checkpointing", path="model.checkpoint", action=argparse.BooleanOptionalAction,
+           help="per-block activation checkpointing")
+    p.flag(m, "--decoder", path="model.decoder", choices=["attn", "ff", "xattn"], help="decoder variant")
+    p.flag(m, "--decoder_width", path="model.decoder_width", type=int, help="decoder width")
+    p.flag(m, "--decoder_depth", path="model.decoder_depth", type=int, help="decoder scales")
+    d = p.group("data and optimizer")
+    p.flag(d, "--data", path="train.data",
+           help="CIFAR-10 batches folder or ImageFolder tree (none: embedded)")
+    p.flag(d, "--max_images", path="train.max_images", type=int, help="use only the first N training images")
+    p.flag(d, "--holdout", path="train.holdout", type=int,
+           help="training images held out, unseen by training and validation (eval's default split)")
+    p.flag(d, "--batch_size", path="train.batch_size", type=int, help="images per step")
+    p.flag(d, "--num_sample_coords", path="train.num_sample_coords", type=int,
+           help="pixels per image per step (of 1024)")
+    p.flag(d, "--jitter", path="train.jitter", type=float,
+           help="move sampled coordinates up to this many pixels off their centres, bilinear targets")
+    p.flag(d, "--lr", path="train.lr", type=float, help="peak learning rate")
+    p.flag(d, "--weight_decay", path="train.weight_decay", type=float, help="AdamW weight decay")
+    p.flag(d, "--warmup", path="train.warmup", type=int, help="linear warmup steps before the cosine decay")
+    p.flag(d, "--eval_every", path="train.eval_every", type=int,
+           help="validation PSNR every N steps, the best kept as best.pt (0: at the end)")
+    p.flag(d, "--eval_images", path="train.eval_images", type=int,
+           help="validation images, carved from the training part")
+    x = p.group("other")
+    x.add_argument("--cache_dir", default=str(default_cache_dir()), help="decoded-image cache for folders")
+    x.add_argument("--no_cache", action="store_true", help="decode image folders every time")
+    x.add_argument("--profile", action="store_true", help="time encode vs decode, report memory, and exit")
+    x.add_argument("--profile_iters", type=int, default=10)
     return p
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """Training flags a preset comes with (each overridable on the command line)."""
-
-    batch_size: int = 64
-    num_sample_coords: int = 512
-    jitter: float = 0.0
-    lr: float = 1e-3
-    warmup: int = 100
-    steps: int = 1000
-    eval_every: int = 0
-    eval_images: int = 500
-
-
-# "cpu": chosen by measurement on one CPU thread (README "Learning"); every other preset keeps the seed's.
-RECIPES = {
-    "cpu": Recipe(
-        batch_size=32, num_sample_coords=256, jitter=0.5, lr=3e-3, warmup=50, eval_every=100, eval_images=250
-    )
-}
-
-
-def apply_recipe(args: argparse.Namespace, name: str) -> Recipe:
-    """Fill the flags left unset from the preset's recipe; with --max_minutes and no --steps, train until
-    the time budget (the cosine schedule then follows the clock)."""
-    recipe = RECIPES.get(name, Recipe())
-    keys = ("steps", "batch_size", "num_sample_coords", "jitter", "lr", "warmup", "eval_every", "eval_images")
-    fill_from_recipe(args, recipe, keys)
-    return recipe
-
-
-def _model_config(args: argparse.Namespace, device: torch.device):
-    name = args.config if args.config != "auto" else ("balanced" if device.type == "cuda" else "cpu")
-    fields = {"decoder": "decoder", "decoder_width": "decoder_width", "decoder_depth": "decoder_depth"}
-    fields["checkpointing"] = "checkpoint"
-    return name, get_config(name, **overrides_from_args(args, fields))
 
 
 def mse_loss(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -176,40 +110,30 @@ def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    run = build_parser().parse(argv)
+    args, device = run.args, run.device
+    cfg, t, loop = run.settings.model, run.settings.train, run.settings.loop
+    if args.profile_iters < 1:
+        raise UsageError(f"error: --profile_iters must be >= 1, got {args.profile_iters}")
+    if t.num_sample_coords > cfg.num_pixels:
+        raise UsageError(f"error: --num_sample_coords must be <= {cfg.num_pixels}, got {t.num_sample_coords}")
     try:
-        name, cfg = _model_config(args, resolve_device(args.device))
-    except ValueError as e:
-        raise SystemExit(f"ginr-train: {e}") from None
-    apply_recipe(args, name)
-    check_numbers(args, lr=">0", weight_decay=">=0", warmup=">=0", batch_size=">=1", eval_every=">=0")
-    check_numbers(args, eval_images=">=1", holdout=">=0", profile_iters=">=1", jitter=">=0")
-    loop = loop_config_from_args(args, system=SYSTEM_NAME)
-    device = resolve_device(loop.device)
-    try:
-        cache = None if args.no_cache else args.cache_dir
         # validation images come out of the training part, never out of the holdout: best.pt is chosen
         # on them, and the holdout stays unseen by training and by every choice
-        n_val = args.eval_images
-        split = {"holdout": args.holdout, "val": n_val, "cache_dir": cache}
-        train_set = load_split(args.data, "train", max_images=args.max_images, **split)
-        val_set = load_split(args.data, "val", **split)
-        if args.batch_size < 1:
-            raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
-        if not 1 <= args.num_sample_coords <= cfg.num_pixels:
-            raise ValueError(
-                f"--num_sample_coords must be in [1, {cfg.num_pixels}], got {args.num_sample_coords}"
-            )
+        split = {"holdout": t.holdout, "val": t.eval_images,
+                 "cache_dir": None if args.no_cache else args.cache_dir}
+        train_set = load_split(t.data, "train", max_images=t.max_images, **split)
+        val_set = load_split(t.data, "val", **split)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"ginr-train: {e}") from None
+        raise UsageError(f"error: {e}") from None
 
     set_seed(loop.seed)
     model = GINR(cfg).to(device)
     print(
-        f"ginr-train: config {name} (decoder {cfg.decoder}, width {cfg.decoder_width}), "
+        f"ginr-train: config {run.preset} (decoder {cfg.decoder}, width {cfg.decoder_width}), "
         f"{model.num_params() / 1e6:.2f}M params; {len(train_set)} training images from {train_set.source}"
         + f", {len(val_set)} more for validation"
-        + (f"; {args.holdout} held out, unseen" if args.holdout else ""),
+        + (f"; {t.holdout} held out, unseen" if t.holdout else ""),
         file=sys.stderr,
     )
     images = train_set.images
@@ -220,13 +144,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     def get_batch(step: int, micro: int):
         g = step_generator(loop.seed, step, micro, rank=rank)
-        return sample_batch(images, args.batch_size, args.num_sample_coords, g, device, jitter=args.jitter)
+        return sample_batch(images, t.batch_size, t.num_sample_coords, g, device, jitter=t.jitter)
 
     if args.profile:
         batch = get_batch(0, 0)
         res = profile_model(model, batch, device, loop.amp, args.profile_iters)
         print(
-            f"profile ({device.type}, batch {args.batch_size}, {args.num_sample_coords} coords, "
+            f"profile ({device.type}, batch {t.batch_size}, {t.num_sample_coords} coords, "
             f"amp {loop.amp}): "
             f"encode {res['encode_ms']:.1f} ms, decode {res['decode_ms']:.1f} ms forward; "
             f"peak memory: encode fwd {res['encode_fwd_mib']:.1f} MiB, "
@@ -235,10 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         return res
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.99))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, warmup_cosine_lambda(loop.steps, min(args.warmup, loop.steps), max_minutes=loop.max_minutes)
-    )
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.99))
     eval_imgs = val_set.images
 
     def eval_fn(m: GINR) -> dict[str, float]:
@@ -250,14 +171,18 @@ def main(argv: list[str] | None = None) -> dict:
         mse_loss,
         get_batch,
         loop,
-        scheduler=sched,
+        lr_schedule=WarmupCosine(min(t.warmup, loop.steps or t.warmup)),
         eval_fn=eval_fn if eval_imgs is not None and len(eval_imgs) else None,
-        eval_every=args.eval_every,
+        eval_every=t.eval_every,
         best_metric="val_psnr",
         config=cfg,
-        meta={"preset": name, "data": args.data, "holdout": args.holdout, "val": n_val},
-        items_per_step=args.batch_size * args.grad_accum,
+        meta={"preset": run.preset, "data": t.data, "holdout": t.holdout, "val": t.eval_images},
+        items_per_step=t.batch_size * loop.grad_accum,
         system=SYSTEM_NAME,
+        settings=run.settings,
+        preset=run.preset,
+        resume=run.resume,
+        overwrite=run.overwrite,
     )
     result = trainer.fit()
     if "eval/val_psnr" in result:
@@ -269,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         result["mean_colour_psnr"] = baseline
     if not math.isfinite(result.get("loss", 0.0)):
-        raise SystemExit("ginr-train: loss is not finite")
+        raise UsageError("error: the loss is not finite; lower --lr or use --amp none")
     return result
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from memfit import config
+from memfit.config import check_fields
+from memfit.settings import LoopConfig, Settings
 
 ATTN_IMPLS = ("memfit", "ref", "seed")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
     """A nanoGPT-style GPT-2. vocab_size=None means "take it from the tokenizer" (character presets)."""
 
@@ -29,6 +31,8 @@ class GPTConfig:
     # "ref": memfit.attention.attention_ref, the naive masked softmax (for parity tests).
     # "seed": the original script's mistake, kept as the naive memory baseline (see baselines.SeedMaskCache).
     attn_impl: str = "memfit"
+    # how the model runs, not what it computes: `train --resume` may change these
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "attn_impl")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -52,7 +56,7 @@ class GPTConfig:
                     f"window has {len(self.window)} entries but the model has {self.n_layer} layers; "
                     "give one window (or None) per layer, or a single int for all"
                 )
-            self.window = list(self.window)
+            object.__setattr__(self, "window", list(self.window))  # a JSON round trip gives a list
         for w in self.layer_windows():
             if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
                 raise ValueError(f"window must be a positive int (keys seen per query) or None, got {w!r}")
@@ -81,3 +85,37 @@ PRESETS: dict[str, GPTConfig] = {
 def get_config(name: str, **overrides: Any) -> GPTConfig:
     """A copy of PRESETS[name] with overrides applied (memfit.config.get_config)."""
     return config.get_config(PRESETS, name, **overrides)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How `train` trains (settings.train): data, batches, optimizer and evaluation (nanoGPT's names)."""
+
+    data: str | None = None  # UTF-8 text file or uint16 token shards; None: the embedded corpus
+    tokenizer: str = "auto"  # auto | char | gpt2
+    sequence_length: int | None = None  # tokens per row; None: the model's context
+    batch_size: int = 12  # rows per micro-batch
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float | None = None  # final learning rate; None: lr / 10
+    warmup: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    eval_every: int = 250  # 0: only at the end
+    eval_iters: int = 20  # batches per evaluation
+
+    def __post_init__(self) -> None:
+        check_fields(self, sequence_length=">=1", batch_size=">=1", lr=">0", min_lr=">=0", warmup=">=0")
+        check_fields(self, weight_decay=">=0", beta1=">=0", beta2=">=0", eval_every=">=0", eval_iters=">=1")
+        if self.tokenizer not in ("auto", "char", "gpt2"):
+            raise ValueError(f"tokenizer must be auto, char or gpt2; got {self.tokenizer!r}")
+
+
+def _settings(name: str):
+    def make(device) -> Settings:
+        return Settings(get_config(name), TrainConfig(), LoopConfig(steps=2000, save_every=500, log_every=10))
+
+    return make
+
+
+SETTINGS = {name: _settings(name) for name in PRESETS}

@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import torch
+from memfit.distributed import resolve_device
+from memfit.errors import UsageError
 from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.loop import autocast_context, step_generator
 from memfit.run_dir import resolve_run
-from memfit.training import autocast_context, resolve_device, step_generator
 
 from gpt2_window.data import TokenData, Tokenizer, load_data
 from gpt2_window.model import GPT
@@ -88,7 +90,7 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
             raise ValueError(f"the data's vocabulary ({data.vocab_size}) exceeds the model's")
         data.check_length(T)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"gpt2-eval: error: {e}") from None
+        raise UsageError(f"error: {e}") from None
     with autocast_context(args.amp, device):
         loss = estimate_loss(model, data, args.split, args.batch_size, T, args.eval_iters, device)
     result = {

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from memfit.flags import add_eval_args, apply_threads
-from memfit.training import resolve_device
+from memfit.distributed import resolve_device
+from memfit.errors import UsageError
+from memfit.flags import add_eval_args, apply_threads, check_numbers
 
 from gpt2_window.data import Tokenizer
 
@@ -22,10 +23,7 @@ def run(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args(argv)
-    if args.max_new_tokens < 0 or args.num_samples < 1 or args.temperature <= 0:
-        raise SystemExit(
-            "gpt2-eval generate: error: need --max_new_tokens >= 0, --num_samples >= 1, --temperature > 0"
-        )
+    check_numbers(args, max_new_tokens=">=0", num_samples=">=1", temperature=">0", top_k=">=1")
     apply_threads(args)
     device = resolve_device(args.device)
     try:
@@ -42,7 +40,7 @@ def run(argv: list[str] | None = None) -> list[str]:
         if not ids:
             raise ValueError("--prompt is empty; give at least one character")
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"gpt2-eval generate: error: {e}") from None
+        raise UsageError(f"error: {e}") from None
     g = torch.Generator(device=device).manual_seed(args.seed)
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     out = model.generate(

@@ -9,10 +9,7 @@ from memfit.memory import TrainStep
 from memfit.system import BudgetEntry, Scaling, System
 
 from gpt2_window.config import GPTConfig, get_config
-from gpt2_window.eval import main as eval_main
-from gpt2_window.generate import main as generate_main
 from gpt2_window.model import GPT, make_optimizer
-from gpt2_window.train import main as train_main
 
 PAPER_BATCH, PAPER_T = 4, 1024
 
@@ -84,10 +81,10 @@ def budget_entries() -> list[BudgetEntry]:
 SYSTEM = System(
     name="gpt2-window",
     summary="GPT-2 124M with sliding-window attention that never costs more memory than causal",
-    train=train_main,
-    eval=eval_main,
+    train="gpt2_window.train:main",
+    eval="gpt2_window.eval:main",
     budgets=budget_entries,
-    extra_commands={"generate": generate_main},
+    extra_commands={"generate": "gpt2_window.generate:main"},
     config_cls=GPTConfig,
     build_model=GPT,
 )

@@ -12,23 +12,13 @@ import time
 from dataclasses import replace
 
 import torch
-from memfit.config import config_dict, overrides_from_args
-from memfit.training import (
-    Trainer,
-    add_loop_args,
-    add_model_args,
-    check_numbers,
-    dist_info,
-    hidden_alias,
-    latest_checkpoint,
-    load_checkpoint,
-    loop_config_from_args,
-    resolve_device,
-    step_generator,
-    warmup_cosine_lambda,
-)
+from memfit.checkpoint import latest_checkpoint, load_checkpoint
+from memfit.distributed import dist_info
+from memfit.errors import UsageError
+from memfit.loop import Trainer, WarmupCosine, step_generator
+from memfit.settings import TrainParser
 
-from gpt2_window.config import ATTN_IMPLS, PRESETS, GPTConfig, get_config
+from gpt2_window.config import ATTN_IMPLS, SETTINGS, GPTConfig, get_config
 from gpt2_window.data import TokenData, load_data
 from gpt2_window.eval import estimate_loss
 from gpt2_window.model import GPT, make_optimizer
@@ -55,120 +45,96 @@ def parse_window(text: str) -> int | list[int | None] | None:
     return one(parts[0]) if len(parts) == 1 else [one(p) for p in parts]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    m = add_model_args(p, PRESETS, "tiny", attention=list(ATTN_IMPLS))
-    hidden_alias(m, "--model", dest="config", choices=list(PRESETS))  # the seed's spelling
-    hidden_alias(m, "--attn_impl", dest="attention", choices=list(ATTN_IMPLS))
-    g = p.add_argument_group("model and data")
-    g.add_argument(
-        "--sequence_length", type=int, default=None, help="tokens per row (default: model context)"
-    )
-    g.add_argument("--batch_size", type=int, default=12, help="rows per micro-batch")
-    g.add_argument(
-        "--num_iterations", type=int, dest="steps", default=argparse.SUPPRESS, help="same as --steps"
-    )
-    g.add_argument(
-        "--window",
-        type=parse_window,
-        default=argparse.SUPPRESS,
-        help="sliding window: an int, 'none', or one per layer '64,none,...' (default: preset's)",
-    )
-    g.add_argument("--dropout", type=float, default=0.0)
-    g.add_argument(
-        "--data", default=None, help="UTF-8 text file or uint16 token shards (default: embedded corpus)"
-    )
-    g.add_argument(
-        "--tokenizer",
-        choices=["auto", "char", "gpt2"],
-        default="auto",
-        help="auto: characters for the default corpus and the character presets, GPT-2 BPE for d12 "
-        "presets on --data text (needs the `bpe` extra; an error, not a silent switch, without it)",
-    )
-    o = p.add_argument_group("optimizer and evaluation")
-    o.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    o.add_argument("--min_lr", type=float, default=None, help="final learning rate (default lr / 10)")
-    o.add_argument("--warmup", type=int, default=100, help="linear warmup steps")
-    o.add_argument("--weight_decay", type=float, default=0.1)
-    o.add_argument("--beta1", type=float, default=0.9)
-    o.add_argument("--beta2", type=float, default=0.99)
-    o.add_argument("--eval_every", type=int, default=250, help="evaluate every N steps (0 = only at the end)")
-    o.add_argument("--eval_iters", type=int, default=20, help="batches per evaluation")
-    add_loop_args(p, steps=2000, save_every=500, log_every=10)
+def build_parser() -> TrainParser:
+    p = TrainParser(SYSTEM_NAME, __doc__, SETTINGS, default="tiny")
+    p.parser.add_argument("--model", dest="config", default=argparse.SUPPRESS,
+                          help=argparse.SUPPRESS)  # the seed's
+    m = p.group("model")
+    p.flag(m, "--attention", path="model.attn_impl", choices=list(ATTN_IMPLS),
+           help="attention implementation")
+    p.flag(m, "--checkpointing", path="model.checkpoint", action=argparse.BooleanOptionalAction,
+           help="per-block activation checkpointing")
+    p.flag(m, "--window", path="model.window", type=parse_window,
+           help="sliding window: an int, 'none', or one per layer '64,none,...'")
+    p.flag(m, "--dropout", path="model.dropout", type=float, help="dropout")
+    d = p.group("data")
+    p.flag(d, "--data", path="train.data",
+           help="UTF-8 text file or uint16 token shards (none: embedded corpus)")
+    p.flag(d, "--tokenizer", path="train.tokenizer", choices=["auto", "char", "gpt2"],
+           help="auto: characters for the default corpus and the character presets, GPT-2 BPE for d12 "
+           "presets on --data text (needs the `bpe` extra; an error, not a silent switch, without it)")
+    p.flag(d, "--sequence_length", path="train.sequence_length", type=int,
+           help="tokens per row (none: the model's context)")
+    p.flag(d, "--batch_size", path="train.batch_size", type=int, help="rows per micro-batch")
+    p.flag(d, "--num_iterations", path="loop.steps", type=int, help="the seed's name for --steps",
+           show_default=False)
+    o = p.group("optimizer and evaluation")
+    p.flag(o, "--lr", path="train.lr", type=float, help="peak learning rate")
+    p.flag(o, "--min_lr", path="train.min_lr", type=float, help="final learning rate (none: lr / 10)")
+    p.flag(o, "--warmup", path="train.warmup", type=int, help="linear warmup steps")
+    p.flag(o, "--weight_decay", path="train.weight_decay", type=float, help="AdamW weight decay")
+    p.flag(o, "--beta1", path="train.beta1", type=float, help="AdamW beta1")
+    p.flag(o, "--beta2", path="train.beta2", type=float, help="AdamW beta2")
+    p.flag(o, "--eval_every", path="train.eval_every", type=int,
+           help="evaluate every N steps (0 = at the end)")
+    p.flag(o, "--eval_iters", path="train.eval_iters", type=int, help="batches per evaluation")
     return p
 
 
-def build_config(args: argparse.Namespace, data: TokenData) -> tuple[GPTConfig, int]:
-    """The model config from --model and overrides, and the sequence length; ValueError on bad input."""
-    cfg = get_config(args.config)
-    overrides = {"dropout": args.dropout}
-    overrides.update(overrides_from_args(args, {"checkpointing": "checkpoint", "attention": "attn_impl"}))
-    if hasattr(args, "window"):
-        overrides["window"] = args.window
+def build_config(cfg: GPTConfig, t, preset: str, data: TokenData) -> tuple[GPTConfig, int]:
+    """The model config for this data (a character preset takes the data's vocabulary) and the sequence
+    length; ValueError on bad input."""
     if cfg.vocab_size is None:  # character presets: exactly the data's vocabulary, as nanoGPT's char model
-        overrides["vocab_size"] = data.vocab_size
+        cfg = replace(cfg, vocab_size=data.vocab_size)
     elif cfg.vocab_size < data.vocab_size:
-        overrides["vocab_size"] = -(-data.vocab_size // 64) * 64  # padded for fast matmuls, as GPT-2's 50304
-    cfg = replace(cfg, **overrides)
-    T = args.sequence_length or cfg.block_size
-    if T < 1:
-        raise ValueError(f"--sequence_length must be >= 1, got {T}")
+        cfg = replace(cfg, vocab_size=-(-data.vocab_size // 64) * 64)  # padded for fast matmuls, as GPT-2's
+    T = t.sequence_length or cfg.block_size
     if cfg.block_size < T:
         raise ValueError(
-            f"--sequence_length {T} is longer than the context of --config {args.config} "
+            f"--sequence_length {T} is longer than the context of --config {preset} "
             f"({cfg.block_size} positions); use --sequence_length <= {cfg.block_size}"
         )
-    if args.batch_size < 1:
-        raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
     return cfg, T
 
 
 def run(argv: list[str] | None = None) -> dict:
     """main() returning its results (for tests and scripts)."""
-    args = build_parser().parse_args(argv)
-    check_numbers(args, lr=">0", min_lr=">=0", warmup=">=0", weight_decay=">=0", batch_size=">=1")
-    check_numbers(args, eval_every=">=0", eval_iters=">=1", beta1=">=0", beta2=">=0")
-    loop = loop_config_from_args(args, system=SYSTEM_NAME)
+    r = build_parser().parse(argv)
+    model_cfg, t, loop, device = r.settings.model, r.settings.train, r.settings.loop, r.device
     try:
-        tok_choice = args.tokenizer
-        if tok_choice == "auto" and (get_config(args.config).vocab_size is None or args.data is None):
+        tok_choice = t.tokenizer
+        if tok_choice == "auto" and (get_config(r.preset).vocab_size is None or t.data is None):
             tok_choice = "char"  # character presets, and the default corpus: the text's characters
-        data = load_data(args.data, tok_choice)
-        cfg, T = build_config(args, data)
+        data = load_data(t.data, tok_choice)
+        cfg, T = build_config(model_cfg, t, r.preset, data)
         data.check_length(T)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"gpt2-train: error: {e}") from None
+        raise UsageError(f"error: {e}") from None
 
     meta = {
         "tokenizer": data.tokenizer.to_dict() if data.tokenizer else None,
         "sequence_length": T,
-        "data": args.data,
-        "preset": args.config,
+        "data": t.data,
+        "preset": r.preset,
     }
-    if loop.resume and (ckpt := latest_checkpoint(loop.run_dir)) is not None:
+    run_dir = loop.run_dir(SYSTEM_NAME)
+    if r.resume and (ckpt := latest_checkpoint(run_dir)) is not None:
         try:
             saved = load_checkpoint(ckpt)
         except ValueError:
             saved = {}  # unreadable: the Trainer falls back to an older checkpoint and says so
-        if saved and (
-            saved.get("config") != config_dict(cfg)
-            or (saved.get("meta") or {}).get("tokenizer") != meta["tokenizer"]
-        ):
-            raise SystemExit(
-                f"gpt2-train: error: --resume: {ckpt} was trained with a different model or vocabulary; "
-                "pass the same --config/--window/--data, or a new --run_name"
+        if saved and (saved.get("meta") or {}).get("tokenizer") != meta["tokenizer"]:
+            raise UsageError(
+                f"error: --resume: {ckpt} was trained with another vocabulary; pass the same --data and "
+                "--tokenizer, or a new --run_name"
             )
 
-    device = resolve_device(loop.device)
     torch.manual_seed(loop.seed)
     with torch.device(device):
         model = GPT(cfg)
-    optimizer = make_optimizer(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2))
-    min_ratio = (args.min_lr if args.min_lr is not None else args.lr / 10) / args.lr
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, warmup_cosine_lambda(loop.steps, args.warmup, min_ratio)
-    )
-    B, rank = args.batch_size, dist_info().rank  # each rank draws its own rows
+    optimizer = make_optimizer(model.parameters(), t.lr, t.weight_decay, (t.beta1, t.beta2))
+    min_ratio = (t.min_lr if t.min_lr is not None else t.lr / 10) / t.lr
+    B, rank = t.batch_size, dist_info().rank  # each rank draws its own rows
 
     def get_batch(step: int, micro: int):
         return data.batch("train", B, T, step_generator(loop.seed, step, micro, rank), device)
@@ -179,20 +145,21 @@ def run(argv: list[str] | None = None) -> dict:
     def eval_fn(model):
         out = {}
         for split in ("train", "val"):
-            out[f"{split}_loss"] = estimate_loss(model, data, split, B, T, args.eval_iters, device)
+            out[f"{split}_loss"] = estimate_loss(model, data, split, B, T, t.eval_iters, device)
         return out
 
     tokens_per_step = B * T * loop.grad_accum
     trainer = Trainer(
         model, optimizer, loss_fn, get_batch, loop,
-        scheduler=scheduler, eval_fn=eval_fn, eval_every=args.eval_every,
+        lr_schedule=WarmupCosine(t.warmup, min_ratio), eval_fn=eval_fn, eval_every=t.eval_every,
         config=cfg, meta=meta, items_per_step=tokens_per_step, system=SYSTEM_NAME,
+        settings=r.settings, preset=r.preset, resume=r.resume, overwrite=r.overwrite,
     )  # fmt: skip
 
     if trainer.dist.is_main:
         windows = sorted({str(w) for w in cfg.layer_windows()})
         print(
-            f"gpt2-window: model {args.config} ({model.num_params() / 1e6:.2f}M params, "
+            f"gpt2-window: model {r.preset} ({model.num_params() / 1e6:.2f}M params, "
             f"window {'/'.join(windows)}, attention {cfg.attn_impl}), data {data.source}: "
             f"{data.num_tokens('train'):,} train / "
             f"{data.num_tokens('val'):,} val tokens, vocab {data.vocab_size}"

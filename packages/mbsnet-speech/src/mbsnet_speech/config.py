@@ -1,17 +1,20 @@
-"""MBS-Net configuration: one dataclass, the default (fits: ~2.6M params) and the seed's bloated preset."""
+"""MBS-Net configuration: the model dataclass and its presets (the default fits: ~2.6M params; the seed's
+bloated one), the training recipe, and the settings presets `train --config NAME` starts from."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from memfit import config
+from memfit.config import check_fields
+from memfit.settings import LoopConfig, Settings
 
 SAMPLE_RATE = 16_000
 
 
-@dataclass
+@dataclass(frozen=True)
 class MBSNetConfig:
     # STFT front end (16 kHz)
     sample_rate: int = SAMPLE_RATE
@@ -37,6 +40,8 @@ class MBSNetConfig:
     scan: str = "chunked"  # "chunked": memfit.ssm.selective_scan; "materialise": the seed's real_mamba scan
     checkpoint: bool = True  # recompute each encoder layer in backward (keeps only layer inputs)
     pcs: bool = False  # perceptual contrast stretching of the output magnitude (inference only)
+    # how the model runs, not what it computes: `train --resume` may change these
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "scan", "pcs")
 
     def __post_init__(self) -> None:
         if self.scan not in ("chunked", "materialise"):
@@ -141,7 +146,7 @@ def cpu_config(**overrides: Any) -> MBSNetConfig:
 PRESETS = {"default": default_config, "seed": seed_config, "tiny": tiny_config, "cpu": cpu_config}
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossWeights:
     """Weights of the training loss terms (losses.py); 0 skips a term. Defaults: MP-SENet's generator
     weights (its metric-discriminator term left out), no multi-resolution STFT term."""
@@ -153,57 +158,78 @@ class LossWeights:
     stft: float = 0.0
     sisdr: float = 0.0  # weight of -SI-SDR in dB (so ~0.01 makes it comparable to the others)
 
+    def __post_init__(self) -> None:
+        check_fields(self, **{f: ">=0" for f in ("mag", "com", "pha", "time", "stft", "sisdr")})
+
 
 def get_config(name: str, **overrides: Any) -> MBSNetConfig:
     """A preset by name with field overrides (memfit.config.get_config)."""
     return config.get_config(PRESETS, name, **overrides)
 
 
-@dataclass
-class Recipe:
-    """How `train` trains a preset when the flags leave it open."""
+@dataclass(frozen=True)
+class TrainConfig:
+    """How `train` trains: data, crops, optimizer, loss and validation (settings.train)."""
 
-    batch_size: int
-    seconds: float  # crop length
-    lr: float
-    steps: int  # with --max_minutes and no --steps: until the time budget
-    amp: str = "bf16"
-    threads: int | None = None  # torch CPU threads when --threads is not given (None: torch's default)
-    noisy_phase: bool = False  # freeze the phase head at "keep the noisy phase": a magnitude-mask model
+    data: str | None = None  # VoiceBank+DEMAND-style root (clean_*/ noisy_*/); None: generated pairs
+    remix: bool = True  # with data: mix one pair's speech with another pair's noise every step
+    clean: str | None = None  # a folder of clean speech to mix noise into on the fly
+    noise: str | None = None  # noise files for `clean` (None: the built-in noises)
+    snr: tuple[float, float] | None = None  # mix SNR range in dB (None: 0..20 generated, -5..15 otherwise)
+    batch_size: int = 6
+    seconds: float = 2.0  # crop length
+    lr: float = 5e-4
+    weight_decay: float = 0.01
+    warmup: int | None = None  # warmup steps; None: min(50, steps // 10)
     loss: LossWeights = field(default_factory=LossWeights)
-    eval_every: int = 200  # validation (PESQ-wb, STOI, SI-SDR on held-out files) every N steps
+    noisy_phase: bool = False  # freeze the phase head at "keep the noisy phase": a magnitude-mask model
+    eval_every: int = 200  # validation (PESQ-wb, STOI, SI-SDR on held-out files) every N steps; 0: at the end
     val_files: int = 8
-    ema: float = 0.0  # --ema: validate, keep and enhance with a moving average of the weights
-    # layer recompute when training on CPU without --checkpointing/--no-checkpointing (None: the preset's)
-    cpu_checkpoint: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, batch_size=">=1", seconds=">0", lr=">0", weight_decay=">=0", warmup=">=0")
+        check_fields(self, eval_every=">=0", val_files=">=0")
+        if self.seconds * SAMPLE_RATE < 400:
+            raise ValueError(f"seconds must be >= 0.025 (one STFT window), got {self.seconds:g}")
+        if self.snr is not None and not (len(self.snr) == 2 and self.snr[0] <= self.snr[1]):
+            raise ValueError(f"snr needs MIN <= MAX, got {' '.join(map(str, self.snr))}; swap them")
+        if self.data and self.clean:
+            raise ValueError("data and clean both given; pass pairs (--data) or clean speech (--clean)")
 
 
-# On CPU the paper config trains without layer recompute: recompute exists to fit a GPU's memory, and on
-# 2 cores it made a step ~1.4x slower (README's MBS-Net step row, `tools/bench_mbsnet.py` with and without
-# `--checkpointing`: ~11.4 vs ~8.3 s, bf16, 2 threads; peak RSS 4.2 vs 6.0 GiB).
-PAPER_RECIPE = Recipe(batch_size=6, seconds=2.0, lr=5e-4, steps=1000, cpu_checkpoint=False)
-# The CPU recipe (`--config cpu`, and `auto` without a GPU); chosen by short measured runs, see README.
-CPU_RECIPE = Recipe(
-    batch_size=4,
-    seconds=1.0,
-    lr=3e-3,
-    steps=300,
-    amp="none",
+def _paper(name: str):
+    """A paper-recipe preset: on a CPU without layer recompute (it exists to fit a GPU's memory; on 2
+    cores it made a step ~1.4x slower: `tools/bench_mbsnet.py` with and without --checkpointing)."""
+
+    def make(device) -> Settings:
+        model = get_config(name)
+        if device.type == "cpu":
+            model = replace(model, checkpoint=False)
+        return Settings(model, TrainConfig(), LoopConfig(steps=1000, log_every=10, save_every=200))
+
+    return make
+
+
+def _cpu(device) -> Settings:
+    """The CPU recipe (`--config cpu`, and `auto` without a GPU); chosen by short measured runs (docs)."""
+    train = TrainConfig(
+        batch_size=4,
+        seconds=1.0,
+        lr=3e-3,
+        # no phase term (short runs on fixed pairs: PESQ-wb +0.265 without, +0.217 with); -SI-SDR at 0.02
+        # (6-CPU-minute remixed runs on 24 held-out train files: PESQ-wb +0.339 and SI-SDR 13.31 dB with
+        # it, +0.298 and 12.02 dB without); multi-resolution STFT at 0.1 (10-CPU-minute runs, same files:
+        # +0.352 with it, +0.299 without, +0.302 at 0.3: its log-magnitude part weighs the quiet
+        # time-frequency cells that PESQ punishes and the compressed-magnitude MSE barely sees)
+        loss=LossWeights(pha=0.0, sisdr=0.02, stft=0.1),
+        eval_every=300,
+    )
     # one thread: this model's ops are small, and on a 2-core machine with anything else running, two
-    # threads made a step about 8x slower (each parallel region waits for the descheduled thread)
-    threads=1,
-    # no phase term (short runs on fixed pairs: PESQ-wb +0.265 without, +0.217 with); -SI-SDR at 0.02
-    # (6-CPU-minute remixed runs on 24 held-out train files: PESQ-wb +0.339 and SI-SDR 13.31 dB with
-    # it, +0.298 and 12.02 dB without); multi-resolution STFT at 0.1 (10-CPU-minute runs, same files:
-    # +0.352 with it, +0.299 without, +0.302 at 0.3: its log-magnitude part weighs the quiet time-frequency
-    # cells that PESQ punishes and the compressed-magnitude MSE barely sees)
-    loss=LossWeights(pha=0.0, sisdr=0.02, stft=0.1),
-    eval_every=300,
-    # no weight average (--ema 0.995 scored beside the raw weights in the same runs: -0.006 to +0.043 PESQ-wb
-    # in four 10-CPU-minute runs, -0.012 and -0.018 in two 18-CPU-minute ones: no reliable gain)
-    ema=0.0,
-)
+    # threads made a step about 8x slower (each parallel region waits for the descheduled thread). No
+    # weight average (--ema 0.995 beside the raw weights in the same runs: -0.006 to +0.043 PESQ-wb in four
+    # 10-CPU-minute runs, -0.012 and -0.018 in two 18-CPU-minute ones: no reliable gain).
+    loop = LoopConfig(steps=300, amp="none", threads=1, log_every=10, save_every=200)
+    return Settings(cpu_config(), train, loop)
 
 
-def recipe_for(preset: str) -> Recipe:
-    return CPU_RECIPE if preset == "cpu" else PAPER_RECIPE
+SETTINGS = {"default": _paper("default"), "cpu": _cpu, "seed": _paper("seed"), "tiny": _paper("tiny")}

@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 import torch
+from memfit.distributed import resolve_device
+from memfit.errors import UsageError
 from memfit.flags import add_threads_arg, apply_threads, check_numbers, eval_out_dir, hidden_alias
 from memfit.run_dir import resolve_run
-from memfit.training import resolve_device
 
 from mbsnet_speech.data import AUDIO_EXTS, SAMPLE_RATE, conversion_notes, read_wav, write_wav
 from mbsnet_speech.model import MBSNet
@@ -117,11 +118,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     if src.is_dir():
         files = sorted(f for f in src.iterdir() if f.suffix.lower() in AUDIO_EXTS)
         if not files:
-            raise SystemExit(f"error: no .wav files in {src}")
+            raise UsageError(f"error: no .wav files in {src}")
     elif src.exists():
         files = [src]
     else:
-        raise SystemExit(f"error: {src} does not exist")
+        raise UsageError(f"error: {src} does not exist")
     notes = set()
     for f in files:
         with contextlib.suppress(RuntimeError, sf.LibsndfileError):  # unreadable: read_wav says so below
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
         model = load_model(run, resolve_device(args.device), pcs=args.pcs)
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise UsageError(f"error: {e}") from None
     chunk, overlap = int(args.chunk_seconds * SAMPLE_RATE), int(args.overlap_seconds * SAMPLE_RATE)
     fn = model_fn(model)
     written = []
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
             wav = read_wav(f)
             enhanced = enhance_array(fn, wav, chunk, overlap)
         except ValueError as e:
-            raise SystemExit(f"error: {f}: {e}") from None
+            raise UsageError(f"error: {f}: {e}") from None
         write_wav(out_dir / f.name, enhanced)
         written.append(out_dir / f.name)
         print(f"{f} -> {out_dir / f.name} ({len(wav) / SAMPLE_RATE:.1f} s)")

@@ -13,9 +13,10 @@ import re
 from pathlib import Path
 
 import numpy as np
+from memfit.distributed import resolve_device
+from memfit.errors import UsageError
 from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir, hidden_alias
 from memfit.run_dir import resolve_run
-from memfit.training import resolve_device
 
 from mbsnet_speech.classical import wiener_enhance
 from mbsnet_speech.data import MIX_NOISE_KINDS, SAMPLE_RATE, find_pairs, heldout_pairs
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model, state = SYSTEM.load_model(run, resolve_device(args.device), **pcs)
         items = load_pairs(args.data, args.pairs, args.seconds, args.limit)
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise UsageError(f"error: {e}") from None
     data_desc = (
         f"{len(items)} generated held-out pairs"
         if args.data is None

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mbsnet_speech.config import LossWeights
+from mbsnet_speech.metrics import si_sdr_db
 
 # (n_fft, hop) of the multi-resolution STFT loss at 16 kHz: 16, 32 and 64 ms windows
 STFT_RESOLUTIONS = ((256, 64), (512, 128), (1024, 256))
@@ -61,14 +62,8 @@ def stft_loss(wav_hat: torch.Tensor, wav: torch.Tensor, resolutions=STFT_RESOLUT
 
 
 def neg_si_sdr(wav_hat: torch.Tensor, wav: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """-SI-SDR in dB, mean over the batch: the target projected on the zero-mean reference, over the
-    residual; (B, T) each."""
-    est = wav_hat.float() - wav_hat.float().mean(-1, keepdim=True)
-    ref = wav.float() - wav.float().mean(-1, keepdim=True)
-    scale = (est * ref).sum(-1, keepdim=True) / (ref.pow(2).sum(-1, keepdim=True) + eps)
-    target = scale * ref
-    ratio = target.pow(2).sum(-1) / ((est - target).pow(2).sum(-1) + eps)
-    return -(10 * torch.log10(ratio + eps)).mean()
+    """-SI-SDR in dB (metrics.si_sdr_db), mean over the batch; (B, T) each."""
+    return -si_sdr_db(wav_hat.float(), wav.float(), eps).mean()
 
 
 def enhancement_loss(model, batch: tuple[torch.Tensor, torch.Tensor], weights: LossWeights | None = None):

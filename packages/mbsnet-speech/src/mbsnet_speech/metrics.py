@@ -7,11 +7,11 @@ stopping a whole evaluation.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 PESQ_RATES = {"wb": (16000,), "nb": (8000, 16000)}  # P.862 narrow band runs at 8 or 16 kHz
 MIN_SECONDS = 0.25  # P.862 needs at least 1/4 s of audio
@@ -75,18 +75,26 @@ def stoi_score(ref: Any, deg: Any, fs: int = 16000, extended: bool = False) -> f
     return float(stoi(r, d, fs, extended=extended))
 
 
+def si_sdr_db(est: torch.Tensor, ref: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Scale-invariant SDR in dB of each row (..., T) of est against ref (Le Roux et al. 2019): the
+    estimate projected on the zero-mean reference, over the residual. The one definition: the score
+    (si_sdr) and the training loss (losses.neg_si_sdr) both use it."""
+    est = est - est.mean(-1, keepdim=True)
+    ref = ref - ref.mean(-1, keepdim=True)
+    scale = (est * ref).sum(-1, keepdim=True) / (ref.pow(2).sum(-1, keepdim=True) + eps)
+    target = scale * ref
+    return 10 * torch.log10(target.pow(2).sum(-1) / ((est - target).pow(2).sum(-1) + eps) + eps)
+
+
 def si_sdr(ref: Any, est: Any) -> float:
-    """Scale-invariant SDR in dB of est against ref (1-D), zero-mean, as Le Roux et al. 2019."""
+    """SI-SDR in dB of est against ref (1-D arrays), in float64."""
     r, e = _as_float(ref, "reference"), _as_float(est, "estimate")
     if len(r) != len(e):
         raise ValueError(f"reference ({len(r)}) and estimate ({len(e)}) differ in length")
-    r, e = r - r.mean(), e - e.mean()
-    energy = float(np.dot(r, r))
-    if energy < 1e-12:
+    if float(np.dot(r - r.mean(), r - r.mean())) < 1e-12:
         raise ValueError("reference is silent; SI-SDR is undefined")
-    target = (np.dot(e, r) / energy) * r
-    noise = e - target
-    return float(10 * math.log10((np.dot(target, target) + 1e-12) / (np.dot(noise, noise) + 1e-12)))
+    e64, r64 = (torch.from_numpy(np.asarray(x, np.float64)) for x in (e, r))
+    return float(si_sdr_db(e64, r64, eps=1e-12))
 
 
 def all_metrics(ref: Any, deg: Any, fs: int = 16000) -> dict[str, float]:

@@ -101,31 +101,19 @@ def budget_entries() -> list[BudgetEntry]:
     ]
 
 
-def _train(argv):
-    from mbsnet_speech.train import main
-
-    return main(argv)
 
 
-def _eval(argv):
-    from mbsnet_speech.eval import main
-
-    return main(argv)
 
 
-def _enhance(argv):
-    from mbsnet_speech.enhance import main
-
-    return main(argv)
 
 
 SYSTEM = System(
     name="mbsnet-speech",
     summary="MBS-Net speech enhancement (band-split Mamba, explicit phase), ~2.6M params, scored by PESQ",
-    train=_train,
-    eval=_eval,
+    train="mbsnet_speech.train:main",
+    eval="mbsnet_speech.eval:main",
     budgets=budget_entries,
-    extra_commands={"enhance": _enhance},
+    extra_commands={"enhance": "mbsnet_speech.enhance:main"},
     config_cls=MBSNetConfig,
     build_model=MBSNet,
 )

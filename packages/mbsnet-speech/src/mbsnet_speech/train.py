@@ -11,15 +11,15 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from dataclasses import fields, replace
 
 import numpy as np
 import torch
-from memfit.flags import fill_from_recipe
-from memfit.loop import warmup_cosine_lambda
-from memfit.training import check_numbers, dist_info, resolve_device
+from memfit.distributed import dist_info
+from memfit.errors import UsageError
+from memfit.loop import Trainer, WarmupCosine
+from memfit.settings import TrainParser, TrainRun
 
-from mbsnet_speech.config import PRESETS, LossWeights, Recipe, get_config, recipe_for
+from mbsnet_speech.config import SETTINGS, LossWeights, TrainConfig
 from mbsnet_speech.data import (
     HELDOUT_STREAM,
     MIX_SNR,
@@ -48,116 +48,56 @@ def training_step_loss(model: MBSNet, batch) -> torch.Tensor:
     return enhancement_loss(model, batch)[0]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from memfit.training import add_loop_args, add_model_args, hidden_alias
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    m = add_model_args(
-        p,
-        PRESETS,
-        "auto",
-        help="model preset; auto: default on a GPU, the CPU recipe (cpu) otherwise",
-        checkpointing_help="recompute each encoder layer in backward (default: the preset's)",
-    )
-    hidden_alias(m, "--no_checkpoint", dest="checkpointing", action="store_false")
-    p.add_argument("--layers", type=int, default=None, help="override the number of encoder layers")
-    p.add_argument("--channels", type=int, default=None, help="override the channel width")
-    p.add_argument("--bidirectional", action="store_true", help="bidirectional temporal Mamba (not causal)")
-    p.add_argument(
-        "--data", default=None, help="VoiceBank+DEMAND-style root (clean_*/ noisy_*/); default: generated"
-    )
-    p.add_argument(
-        "--remix",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="with --data: every step mix one pair's clean speech with another pair's noise (noisy - clean) "
-        "at a random SNR (--snr, default -5 15) and gain; --no-remix trains on the fixed pairs",
-    )
-    p.add_argument("--clean", default=None, help="folder of clean speech to mix noise into on the fly")
-    p.add_argument("--noise", default=None, help="folder of noise files for --clean (default: built-in)")
-    p.add_argument("--batch_size", type=int, default=None, help="default 6 (CPU recipe: 4)")
-    p.add_argument(
-        "--seconds", type=float, default=None, help="crop length in seconds (default 2; CPU recipe 1)"
-    )
-    p.add_argument(
-        "--snr",
-        type=float,
-        nargs=2,
-        default=None,
-        metavar=("MIN", "MAX"),
-        help="SNR range in dB of the mixes (generated: 0 20, --clean and --data --remix: -5 15)",
-    )
-    p.add_argument("--lr", type=float, default=None, help="default 5e-4 (CPU recipe: 3e-3)")
-    p.add_argument("--weight_decay", type=float, default=0.01)
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: min(50, steps // 10))")
-    p.add_argument(
-        "--loss", default=None, metavar="TERM=W,...", help="loss weights, e.g. mag=0.9,stft=0.5 (losses.py)"
-    )
-    p.add_argument(
-        "--noisy_phase",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="keep the noisy phase (phase head frozen; default: the recipe's, CPU recipe on)",
-    )
-    p.add_argument("--eval_every", type=int, default=None, help="validate every N steps (0: at the end)")
-    p.add_argument("--val_files", type=int, default=None, help="held-out files validated (default 8)")
-    add_loop_args(p, steps=None, log_every=10, save_every=200, amp=None, ema=None)
-    return p
-
-
-def layer_recompute(args: argparse.Namespace, recipe: Recipe) -> bool | None:
-    """--checkpointing/--no-checkpointing, else the recipe's choice on CPU (None: the preset's)."""
-    if args.checkpointing is not None:
-        return args.checkpointing
-    if recipe.cpu_checkpoint is not None and resolve_device(args.device).type == "cpu":
-        return recipe.cpu_checkpoint
-    return None
-
-
-def resolve_recipe(args: argparse.Namespace) -> Recipe:
-    """Fill the flags left unset from the recipe that fits this machine (auto) or the chosen preset."""
-    if args.config == "auto":
-        on_gpu = resolve_device(args.device).type == "cuda"
-        args.config = "default" if on_gpu else "cpu"
-        if not on_gpu and dist_info().rank == 0:
-            print(
-                "mbsnet-train: no GPU, so the CPU recipe (--config cpu); `--config default` trains the "
-                "2.6M-parameter model",
-                file=sys.stderr,
-            )
-    recipe = recipe_for(args.config)
-    keys = (
-        "batch_size",
-        "seconds",
-        "lr",
-        "steps",
-        "amp",
-        "threads",
-        "noisy_phase",
-        "eval_every",
-        "val_files",
-        "ema",
-    )
-    fill_from_recipe(args, recipe, keys)
-    return recipe
-
-
-def loss_weights(spec: str | None, base: LossWeights) -> LossWeights:
-    """'mag=0.9,stft=0.5' over the recipe's weights; ValueError naming a bad term."""
-    if not spec:
-        return base
-    known = {f.name for f in fields(LossWeights)}
+def parse_loss(spec: str) -> dict[str, float]:
+    """--loss 'mag=0.9,stft=0.5' -> {"mag": 0.9, "stft": 0.5} (the terms of LossWeights)."""
+    known = set(LossWeights.__dataclass_fields__)
     out = {}
     for item in spec.split(","):
         key, _, val = item.partition("=")
         key = key.strip()
         if key not in known:
-            raise ValueError(f"--loss: unknown term {key!r}; terms are {', '.join(sorted(known))}")
+            raise argparse.ArgumentTypeError(f"unknown term {key!r}; terms are {', '.join(sorted(known))}")
         try:
             out[key] = float(val)
         except ValueError:
-            raise ValueError(f"--loss: {item!r} needs a number, e.g. {key}=0.5") from None
-    return replace(base, **out)
+            raise argparse.ArgumentTypeError(f"{item!r} needs a number, e.g. {key}=0.5") from None
+    return out
+
+
+def build_parser() -> TrainParser:
+    Bool = argparse.BooleanOptionalAction
+    p = TrainParser(SYSTEM_NAME, __doc__, SETTINGS, auto=("default", "cpu"))
+    m = p.group("model")
+    p.flag(m, "--checkpointing", path="model.checkpoint", action=Bool,
+           help="recompute each encoder layer in backward (a GPU memory saving; slower on a CPU)")
+    p.flag(m, "--layers", path="model.num_layers", type=int, help="encoder layers")
+    p.flag(m, "--channels", path="model.channels", type=int, help="channel width")
+    p.flag(m, "--bidirectional", path="model.temporal_bidirectional", action=Bool,
+           help="bidirectional temporal Mamba (offline; not streamable)")
+    d = p.group("data")
+    p.flag(d, "--data", path="train.data",
+           help="VoiceBank+DEMAND-style root (clean_*/ noisy_*/); none: generated")
+    p.flag(d, "--remix", path="train.remix", action=Bool,
+           help="with --data: every step mix one pair's clean speech with another pair's noise (noisy - "
+           "clean) at a random SNR (--snr) and gain; --no-remix trains on the fixed pairs")
+    p.flag(d, "--clean", path="train.clean", help="folder of clean speech to mix noise into on the fly")
+    p.flag(d, "--noise", path="train.noise", help="folder of noise files for --clean (none: built-in noises)")
+    p.flag(d, "--snr", path="train.snr", type=float, nargs=2, metavar=("MIN", "MAX"),
+           help="SNR range in dB of the mixes (none: 0 20 generated, -5 15 for --clean and --data --remix)")
+    p.flag(d, "--batch_size", path="train.batch_size", type=int, help="crops per step")
+    p.flag(d, "--seconds", path="train.seconds", type=float, help="crop length in seconds")
+    o = p.group("optimizer and validation")
+    p.flag(o, "--lr", path="train.lr", type=float, help="peak learning rate")
+    p.flag(o, "--weight_decay", path="train.weight_decay", type=float, help="AdamW weight decay")
+    p.flag(o, "--warmup", path="train.warmup", type=int, help="warmup steps (none: min(50, steps // 10))")
+    p.flag(o, "--loss", path="train.loss", type=parse_loss, expand=True, metavar="TERM=W,...",
+           show_default=False, help="loss weights over the preset's, e.g. mag=0.9,stft=0.5 (losses.py)")
+    p.flag(o, "--noisy_phase", path="train.noisy_phase", action=Bool,
+           help="keep the noisy phase (phase head frozen)")
+    p.flag(o, "--eval_every", path="train.eval_every", type=int,
+           help="validate every N steps (0: at the end)")
+    p.flag(o, "--val_files", path="train.val_files", type=int, help="held-out files validated")
+    return p
 
 
 def _split_heldout(n: int, count: int) -> tuple[list[int], list[int]]:
@@ -168,31 +108,29 @@ def _split_heldout(n: int, count: int) -> tuple[list[int], list[int]]:
     return sorted(int(i) for i in perm[count:]), sorted(int(i) for i in perm[:count])
 
 
-def build_data(args: argparse.Namespace, crop: int):
+def build_data(t: TrainConfig, crop: int):
     """(get_arrays(rng) -> (noisy, clean), validation items [(name, noisy, clean)], description)."""
-    n_val = max(0, args.val_files)
-    if args.data and args.clean:
-        raise ValueError("--data and --clean both given; pass pairs (--data) or clean speech (--clean)")
-    if args.data:
+    n_val = max(0, t.val_files)
+    if t.data:
         try:
-            pairs = find_pairs(args.data, split="train")
+            pairs = find_pairs(t.data, split="train")
         except FileNotFoundError:
-            pairs = find_pairs(args.data)
+            pairs = find_pairs(t.data)
         train_idx, val_idx = _split_heldout(len(pairs), n_val)
         val = [(pairs.names[i], *pairs.load(i)[::-1]) for i in val_idx]
         train = PairFolder(
             pairs.root, [pairs.clean[i] for i in train_idx], [pairs.noisy[i] for i in train_idx]
         )
-        desc = f"{len(train)} pairs from {args.data} (+{len(val)} held out for validation)"
-        if not args.remix:
-            return (lambda rng: folder_batch(train, args.batch_size, crop, rng)), val, desc
-        remix = PairRemix(train, tuple(args.snr) if args.snr else MIX_SNR)
+        desc = f"{len(train)} pairs from {t.data} (+{len(val)} held out for validation)"
+        if not t.remix:
+            return (lambda rng: folder_batch(train, t.batch_size, crop, rng)), val, desc
+        remix = PairRemix(train, tuple(t.snr) if t.snr else MIX_SNR)
         desc += f", remixed: speech x noise of other pairs at {remix.snr[0]:g}..{remix.snr[1]:g} dB"
-        return (lambda rng: mix_batch(remix, args.batch_size, crop, rng)[:2]), val, desc
-    if args.clean:
-        files = audio_files(args.clean, "--clean")
-        noise = audio_files(args.noise, "--noise") if args.noise else None
-        snr = tuple(args.snr) if args.snr else MIX_SNR
+        return (lambda rng: mix_batch(remix, t.batch_size, crop, rng)[:2]), val, desc
+    if t.clean:
+        files = audio_files(t.clean, "--clean")
+        noise = audio_files(t.noise, "--noise") if t.noise else None
+        snr = tuple(t.snr) if t.snr else MIX_SNR
         train_idx, val_idx = _split_heldout(len(files), n_val)
         src = MixSource([files[i] for i in train_idx], noise, snr)
         val = []
@@ -203,54 +141,33 @@ def build_data(args: argparse.Namespace, crop: int):
                 noisy, cl, _ = mix_batch(MixSource([files[i]], noise, snr), 1, n, rng)
                 val.append((files[i].name, noisy[0], cl[0]))
         kinds = f"{len(noise)} noise files" if noise else "built-in noises"
-        desc = f"{len(src.clean)} clean files from {args.clean} + {kinds} at {snr[0]:g}..{snr[1]:g} dB"
-        return (lambda rng: mix_batch(src, args.batch_size, crop, rng)[:2]), val, desc
-    snr = tuple(args.snr) if args.snr else (0.0, 20.0)
-    if snr[0] > snr[1]:
-        raise ValueError(f"--snr MIN MAX needs MIN <= MAX, got {snr[0]:g} > {snr[1]:g}; swap them")
+        desc = f"{len(src.clean)} clean files from {t.clean} + {kinds} at {snr[0]:g}..{snr[1]:g} dB"
+        return (lambda rng: mix_batch(src, t.batch_size, crop, rng)[:2]), val, desc
+    snr = tuple(t.snr) if t.snr else (0.0, 20.0)
     val = heldout_pairs(n_val, seconds=3.0, seed=VAL_SEED)
-    return (lambda rng: synth_batch(args.batch_size, crop, rng, snr_range=snr)), val, "generated pairs"
+    return (lambda rng: synth_batch(t.batch_size, crop, rng, snr_range=snr)), val, "generated pairs"
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Train from the command line (argv None -> sys.argv[1:]); returns the last metrics."""
-    from memfit.training import Trainer, loop_config_from_args
-
-    args = build_parser().parse_args(argv)
-    recipe = resolve_recipe(args)
-    check_numbers(args, lr=">0", weight_decay=">=0", warmup=">=0", batch_size=">=1", seconds=">0")
-    overrides = {}
-    if args.layers is not None:
-        overrides["num_layers"] = args.layers
-    if args.channels is not None:
-        overrides["channels"] = args.channels
-    if args.bidirectional:
-        overrides["temporal_bidirectional"] = True
-    recompute = layer_recompute(args, recipe)
-    if recompute is not None:
-        overrides["checkpoint"] = recompute
-    if args.batch_size < 1 or args.seconds * SAMPLE_RATE < 400:
-        raise SystemExit("error: --batch_size must be >= 1 and --seconds >= 0.025 (one STFT window)")
-    crop = int(args.seconds * SAMPLE_RATE)
-    loop = loop_config_from_args(args, system=SYSTEM_NAME)
+    run: TrainRun = build_parser().parse(argv)
+    cfg, t, loop = run.settings.model, run.settings.train, run.settings.loop
+    crop = int(t.seconds * SAMPLE_RATE)
     try:
-        cfg = get_config(args.config, **overrides)
-        weights = loss_weights(args.loss, recipe.loss)
-        arrays, val_items, source = build_data(args, crop)
+        arrays, val_items, source = build_data(t, crop)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)  # one line, no traceback, exit status 2 (bad input)
-        raise SystemExit(2) from None
+        raise UsageError(f"error: {e}") from None
     torch.manual_seed(loop.seed)
     model = MBSNet(cfg)
-    if args.noisy_phase:
+    if t.noisy_phase:
         freeze_phase_head(model)
     rank = dist_info().rank
     if rank == 0:
         print(
-            f"mbsnet-train: {args.config} config, {count_params(model) / 1e6:.3f}M params, "
-            f"batch {args.batch_size} x {args.seconds:g} s, lr {args.lr:g}, data: {source}, "
+            f"mbsnet-train: {run.preset} config, {count_params(model) / 1e6:.3f}M params, "
+            f"batch {t.batch_size} x {t.seconds:g} s, lr {t.lr:g}, data: {source}, "
             f"layer recompute {'on' if cfg.checkpoint else 'off'}, {torch.get_num_threads()} threads"
-            + (f", budget {args.max_minutes:g} min" if args.max_minutes else ""),
+            + (f", budget {loop.max_minutes:g} min" if loop.max_minutes else ""),
             file=sys.stderr,
         )
 
@@ -259,30 +176,30 @@ def main(argv: list[str] | None = None) -> dict:
         dev = trainer.device
         return torch.from_numpy(np.ascontiguousarray(noisy)).to(dev), torch.from_numpy(clean).to(dev)
 
-    warmup = args.warmup if args.warmup is not None else min(50, loop.steps // 10)
-    device_model = model.to(resolve_device(loop.device))
+    warmup = t.warmup if t.warmup is not None else min(50, (loop.steps or 500) // 10)
+    device_model = model.to(run.device)
     opt = torch.optim.AdamW(
         [q for q in device_model.parameters() if q.requires_grad],
-        lr=args.lr,
-        weight_decay=args.weight_decay,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
         betas=(0.8, 0.99),
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, warmup_cosine_lambda(loop.steps, warmup, max_minutes=args.max_minutes)
-    )
-    eval_kw = validation_hooks(val_items, args.eval_every)
     trainer = Trainer(
         device_model,
         opt,
-        functools.partial(enhancement_loss, weights=weights),
+        functools.partial(enhancement_loss, weights=t.loss),
         get_batch,
         loop,
-        scheduler=sched,
+        lr_schedule=WarmupCosine(warmup),
         config=cfg,
-        meta={"preset": args.config},
-        items_per_step=args.batch_size * crop * loop.grad_accum,
+        meta={"preset": run.preset},
+        items_per_step=t.batch_size * crop * loop.grad_accum,
         system=SYSTEM_NAME,
-        **eval_kw,
+        settings=run.settings,
+        preset=run.preset,
+        resume=run.resume,
+        overwrite=run.overwrite,
+        **validation_hooks(val_items, t.eval_every),
     )
     return trainer.fit()
 

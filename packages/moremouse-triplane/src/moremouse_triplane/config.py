@@ -4,12 +4,14 @@ training recipe that `train` uses for a preset when its flags leave a choice ope
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from memfit import config
+from memfit.config import check_fields
+from memfit.settings import LoopConfig, Settings
 
 
-@dataclass
+@dataclass(frozen=True)
 class TriplaneConfig:
     """Image encoder -> triplane transformer -> upsampler -> triplane decoder + volume renderer."""
 
@@ -31,6 +33,10 @@ class TriplaneConfig:
     global_context: bool = False
     attention: str = "sdpa"  # "sdpa" (memfit.attention) | "naive" (materialised scores, the seed's)
     checkpoint: bool = True  # per-block activation checkpointing
+    # how the model runs or samples, not what it computes: `train --resume` may change these
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = (
+        "checkpoint", "attention", "render_chunk", "render_checkpoint", "rays_per_scene", "samples_per_ray"
+    )
     # upsampler: 64 x 64 x 512 -> 128 x 128 x 80
     upsampler: str = "deconv"  # "deconv" (ConvTranspose2d k=2 s=2) | "pixelshuffle"
     out_channels: int = 80
@@ -136,29 +142,42 @@ PRESETS["cpu"] = replace(
 )
 
 
-@dataclass
-class Recipe:
-    """How `train` trains a preset when the flags leave it open."""
-
-    lr: float = 1e-3
-    batch_size: int = 4  # scenes per micro-batch
-    steps: int = 600  # with --max_minutes and no --steps: until the time budget
-    warmup: int = 50
-    amp: str = "bf16"
-    threads: int | None = None  # torch CPU threads when --threads is not given (None: torch's default)
-    eval_every: int = 200  # validation on held-out scenes every N steps (best.pt by PSNR)
-    save_every: int = 200
-
-
-PAPER_RECIPE = Recipe()
-# The CPU recipe (`--config cpu`, and `auto` without a GPU): chosen by short measured runs (README).
-CPU_RECIPE = Recipe(lr=3e-3, batch_size=4, steps=1000, amp="none", threads=1, eval_every=300, save_every=1000)
-
-
-def recipe_for(preset: str) -> Recipe:
-    return CPU_RECIPE if preset == "cpu" else PAPER_RECIPE
-
-
 def get_config(name: str, **overrides: Any) -> TriplaneConfig:
     """A preset by name with field overrides, e.g. get_config("paper", attention="naive")."""
     return config.get_config(PRESETS, name, **overrides)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How `train` trains (settings.train): scenes, optimizer, schedule and validation."""
+
+    data: str | None = None  # folder of renders (scene_*/cameras.json); None: generated mice
+    num_scenes: int = 0  # cycle over this many generated scenes (0: new every time)
+    batch_size: int = 4  # scenes per micro-batch
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: int = 50
+    schedule_steps: int | None = None  # length of the LR schedule (None: the run's steps)
+    val_scenes: int = 8  # held-out scenes validated on (0: no validation, no best.pt)
+    eval_every: int = 200  # validation on held-out scenes every N steps (best.pt by PSNR)
+
+    def __post_init__(self) -> None:
+        check_fields(self, num_scenes=">=0", batch_size=">=1", lr=">0", weight_decay=">=0", warmup=">=0")
+        check_fields(self, schedule_steps=">=1", val_scenes=">=0", eval_every=">=0")
+
+
+def _paper(name: str):
+    def make(device) -> Settings:
+        loop = LoopConfig(steps=600, log_every=20, save_every=200)
+        return Settings(get_config(name), TrainConfig(), loop)
+
+    return make
+
+
+def _cpu(device) -> Settings:
+    """The CPU recipe (`--config cpu`, and `auto` without a GPU): chosen by short measured runs (docs)."""
+    loop = LoopConfig(steps=1000, amp="none", threads=1, log_every=20, save_every=1000)
+    return Settings(get_config("cpu"), TrainConfig(lr=3e-3, eval_every=300), loop)
+
+
+SETTINGS = {"paper": _paper("paper"), "tiny": _paper("tiny"), "cpu": _cpu}

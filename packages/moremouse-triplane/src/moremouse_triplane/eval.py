@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from memfit.distributed import resolve_device
+from memfit.errors import UsageError
 from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.metrics import psnr_per_image
 from memfit.run_dir import resolve_run
-from memfit.training import resolve_device
 from PIL import Image
 
 from moremouse_triplane.data import make_source
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict:
         model, state = SYSTEM.load_model(run, device, which=args.checkpoint)
         source = make_source(args.data, model.cfg.image_size, seed=args.seed, split=args.split)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}") from None
+        raise UsageError(f"error: {e}") from None
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
         res = evaluate(model, source, args.num_scenes, device, out)
     where = args.data or f"generated {args.split} scenes"

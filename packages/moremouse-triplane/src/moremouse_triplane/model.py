@@ -8,8 +8,6 @@ keeps the materialised path (memfit.attention.attention_ref) as the baseline it 
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from memfit.attention import attention, attention_ref
@@ -39,18 +37,6 @@ class SelfAttention(nn.Module):
 # ----------------------------------------------------------------------------------------------------
 # Image encoders
 # ----------------------------------------------------------------------------------------------------
-
-
-class ImageEncoder(Protocol):
-    """What the generator needs from an encoder: images (B, 3, H, W) in [0, 1] -> tokens (B, T, out_dim).
-
-    Plug in a pretrained backbone (e.g. DINOv2 ViT-B/14, 768-d) by wrapping it in a module with an
-    `out_dim` attribute and passing it to TriplaneGenerator(cfg, encoder=...).
-    """
-
-    out_dim: int
-
-    def __call__(self, images: torch.Tensor) -> torch.Tensor: ...
 
 
 class EncoderBlock(nn.Module):

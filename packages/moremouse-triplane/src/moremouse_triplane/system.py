@@ -113,22 +113,10 @@ def budget_entries() -> list[BudgetEntry]:
     ]
 
 
-def _train(argv: list[str] | None = None) -> object:
-    from moremouse_triplane.train import main
-
-    return main(argv)
 
 
-def _eval(argv: list[str] | None = None) -> object:
-    from moremouse_triplane.eval import main
-
-    return main(argv)
 
 
-def _make_data(argv: list[str] | None = None) -> object:
-    from moremouse_triplane.data import export_main
-
-    return export_main(argv)
 
 
 def _build_model(cfg: TriplaneConfig) -> torch.nn.Module:
@@ -140,10 +128,10 @@ def _build_model(cfg: TriplaneConfig) -> torch.nn.Module:
 SYSTEM = System(
     name="moremouse-triplane",
     summary="MoReMouse triplane generator: 12,288-token transformer + NeRF rendering, image -> novel views",
-    train=_train,
-    eval=_eval,
+    train="moremouse_triplane.train:main",
+    eval="moremouse_triplane.eval:main",
     budgets=budget_entries,
-    extra_commands={"make-data": _make_data},
+    extra_commands={"make-data": "moremouse_triplane.data:export_main"},
     config_cls=TriplaneConfig,
     build_model=_build_model,
 )

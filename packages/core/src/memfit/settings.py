@@ -1,0 +1,498 @@
+"""One settings tree per system: its model config, its training recipe and memfit's loop settings.
+
+A system's `train` runs on a ``Settings(model, train, loop)``: three frozen dataclasses. The tree is built
+once per run, each layer overriding the one before, and never changed after:
+
+    the preset (``--config NAME``; a function of the device, since CPU recipes differ from GPU ones)
+    <- ``--config FILE`` (a run's ``config.json``; on ``--resume``, the run's own)
+    <- the command-line flags
+
+Every flag is bound to one path in the tree (``--lr`` -> ``train.lr``), so ``--help`` can show each
+flag's value in every preset, a run folder's ``config.json`` holds everything that made the run, and an
+unknown key in a file or an unknown flag is one line and exit status 2. A system declares its presets and
+flags with ``TrainParser``; ``TrainParser.parse(argv)`` returns a ``TrainRun`` with the finished tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from memfit.config import check_fields
+from memfit.errors import UsageError, os_error_message
+from memfit.flags import Parser
+
+CONFIG_NAME = "config.json"  # the settings a run was started with, in its run folder
+SETTINGS_FORMAT = 1
+RUN_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The loop's own settings (model and data settings belong to each system's part of the tree)."""
+
+    steps: int | None = 1000  # optimizer steps; None: until the --max_minutes budget is spent
+    grad_accum: int = 1
+    amp: str = "bf16"  # "bf16" | "fp16" | "none"
+    grad_clip: float = 1.0  # max gradient norm; 0: off
+    compile: bool = False
+    log_every: int = 10
+    save_every: int = 200  # 0: only at the end
+    keep_last: int = 3
+    seed: int = 0
+    runs_dir: str = "runs"
+    run_name: str = "run"  # the run folder is runs_dir/<system>/run_name
+    tensorboard: bool = False  # TensorBoard event files beside metrics.jsonl (the optional extra)
+    progress: bool = True
+    device: str = "auto"
+    threads: int | None = None  # torch CPU threads; None: torch's own choice
+    # On CPU, tracking every allocation costs time, so the peak is measured over the first steps (the
+    # steady state is reached at step 2, once optimizer state exists). On CUDA the whole run is covered.
+    measure_memory_steps: int = 3
+    # The run's total wall-clock budget in minutes, summed over every resume: the loop stops cleanly
+    # (checkpoint saved) once it is spent, and the LR schedule reaches its floor there.
+    max_minutes: float | None = None
+    # Exponential moving average of the weights (decay per step, warmed up as min(ema, (1 + n) / (10 + n))
+    # after n steps; 0: off). Validation scores the average, best.pt and every checkpoint carry it.
+    ema: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_fields(self, steps=">=0", grad_accum=">=1", keep_last=">=1", log_every=">=1")
+        check_fields(self, save_every=">=0", grad_clip=">=0", max_minutes=">0", threads=">=1")
+        check_fields(self, measure_memory_steps=">=0")
+        if self.steps is None and self.max_minutes is None:
+            raise ValueError("steps must be given unless max_minutes is (a run needs an end)")
+        if not 0 <= self.ema < 1:
+            raise ValueError(f"ema must be in [0, 1) (a decay per step, e.g. 0.995; 0 = off), got {self.ema}")
+        if self.amp not in ("bf16", "fp16", "none"):
+            raise ValueError(f"amp must be one of bf16, fp16, none; got {self.amp!r}")
+        check_run_name(self.run_name)
+
+    def run_dir(self, system: str | None) -> Path:
+        return Path(self.runs_dir) / (system or "default") / self.run_name
+
+
+def check_run_name(name: str) -> None:
+    """A run name is one path component of letters, digits, '-', '_' and '.', so a run folder always
+    stays inside runs_dir/<system>/ (not '', '.', '..', 'a/b' or an absolute path)."""
+    if not isinstance(name, str) or not RUN_NAME.match(name) or name in (".", ".."):
+        raise ValueError(
+            f"run_name must be one folder name of letters, digits, '-', '_' and '.', got {name!r} "
+            "(runs live in runs_dir/<system>/<run_name>; use --runs_dir to put them elsewhere)"
+        )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one `train` run is configured by: the model config, the system's training recipe
+    (data, optimizer, schedule, validation) and the loop."""
+
+    model: Any
+    train: Any
+    loop: LoopConfig
+
+
+Preset = Callable[[Any], Settings]  # device (torch.device) -> Settings
+
+
+# ----------------------------------------------------------------------------------------------------
+# The tree as dicts: config.json, checkpoints, overrides by dotted path
+# ----------------------------------------------------------------------------------------------------
+
+
+class SettingError(ValueError):
+    """A bad key or value at a dotted path of the tree; `problem` follows the name of whatever set it
+    (a flag, or the path in a file): "must be > 0, got 0", "is not a setting (...)"."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path} {problem}")
+        self.path, self.problem = path, problem
+
+
+def _unknown(path: str, template: Any) -> SettingError:
+    names = ", ".join(f.name for f in fields(template))
+    return SettingError(path, f"is not a setting (here: {names})")
+
+
+def tree_dict(obj: Any) -> dict[str, Any]:
+    """A settings dataclass (nested) -> a JSON-able dict."""
+    return json.loads(json.dumps(asdict(obj)))
+
+
+def get_path(tree: Any, path: str) -> Any:
+    for part in path.split("."):
+        tree = getattr(tree, part)
+    return tree
+
+
+def flatten(d: Mapping[str, Any], template: Any, prefix: str = "") -> dict[str, Any]:
+    """{"train": {"lr": 1}} -> {"train.lr": 1}, descending only where the template has a dataclass."""
+    out: dict[str, Any] = {}
+    names = {f.name for f in fields(template)} if is_dataclass(template) else set()
+    for key, value in d.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            raise _unknown(path, template)
+        sub = getattr(template, key)
+        if is_dataclass(sub) and isinstance(value, Mapping):
+            out.update(flatten(value, sub, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def _hint_ok(value: Any, hint: Any) -> bool:
+    """Whether a value read from a file fits a field's annotation (simple types; others pass)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_hint_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (tuple, list) or hint in (tuple, list):
+        return isinstance(value, (tuple, list))
+    return True
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """JSON lists back to tuples where the field is a tuple; ints to floats where it is a float."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if isinstance(value, list) and any(typing.get_origin(h) is tuple or h is tuple for h in options):
+        return tuple(value)
+    if isinstance(value, int) and not isinstance(value, bool) and float in options and int not in options:
+        return float(value)
+    return value
+
+
+def override(tree: Any, changes: Mapping[str, Any], prefix: str = "") -> Any:
+    """A copy of a (nested, frozen) dataclass with the fields at dotted paths replaced; each dataclass's
+    __post_init__ validates the result. Raises SettingError naming the path."""
+    direct: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    names = {f.name for f in fields(tree)}
+    hints = typing.get_type_hints(type(tree))
+    for path, value in changes.items():
+        head, _, rest = path.partition(".")
+        if head not in names:
+            raise _unknown(prefix + head, tree)
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            if is_dataclass(getattr(tree, head)) and isinstance(value, Mapping):
+                nested.setdefault(head, {}).update(value)
+                continue
+            if not _hint_ok(value, hints.get(head, Any)):
+                hint = hints.get(head)
+                kind = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+                raise SettingError(prefix + head, f"must be {kind}, got {value!r}")
+            direct[head] = _coerce(value, hints.get(head, Any))
+    for head, sub in nested.items():
+        current = getattr(tree, head)
+        if not is_dataclass(current):
+            raise SettingError(prefix + head, "is a value, not a group of settings")
+        direct[head] = override(current, sub, prefix + head + ".")
+    try:
+        return replace(tree, **direct)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, SettingError):
+            raise
+        # __post_init__ messages start with the field they are about ("lr must be > 0, got 0")
+        text = str(e)
+        field = next((n for n in sorted(names, key=len, reverse=True) if text.startswith(n + " ")), None)
+        if field is None:
+            raise SettingError(prefix.rstrip(".") or "settings", f"are not valid: {text}") from None
+        raise SettingError(prefix + field, text[len(field) + 1 :]) from None
+
+
+def write_run_config(run_dir: Path, system: str | None, preset: str | None, model: Any,
+                     settings: Settings) -> Path:
+    """run_dir/config.json: what `--config FILE` reads back ({format, system, preset, config, train,
+    loop}; "config" is the model config exactly as checkpoints store it)."""
+    from memfit.checkpoint import write_text_atomic
+    from memfit.config import config_dict
+
+    doc = {
+        "format": SETTINGS_FORMAT,
+        "system": system,
+        "preset": preset,
+        "config": config_dict(model),
+        "train": tree_dict(settings.train),
+        "loop": tree_dict(settings.loop),
+    }
+    return write_text_atomic(run_dir / CONFIG_NAME, json.dumps(doc, indent=2) + "\n")
+
+
+def read_config_file(path: str | Path, system: str) -> dict[str, Any]:
+    """A run's (or an exported model's) config.json as {"preset", "model", "train", "loop"} sections;
+    one-line errors for a missing, unreadable or foreign file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CONFIG_NAME
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UsageError(
+            f"error: --config {path}: no such file; give a preset name or a run's config.json"
+        ) from None
+    except OSError as e:
+        raise UsageError(f"error: --config: {os_error_message(e)}") from None
+    except ValueError as e:
+        raise UsageError(f"error: --config {path}: not valid JSON ({e}); give a run's config.json") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"error: --config {path}: expected a JSON object (a run's config.json)")
+    if doc.get("system") not in (None, system):
+        raise UsageError(
+            f"error: --config {path} holds {doc['system']} settings, not {system}; use that system's train"
+        )
+    unknown = sorted(set(doc) - {"format", "system", "preset", "config", "train", "loop", "meta"})
+    if unknown:
+        raise UsageError(
+            f"error: --config {path}: unknown key {unknown[0]!r}; the keys are config, train, loop"
+        )
+    return {"preset": doc.get("preset"), "model": doc.get("config") or {}, "train": doc.get("train") or {},
+            "loop": doc.get("loop") or {}}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """What `TrainParser.parse` gives a system's train: the finished tree and how to open the run."""
+
+    settings: Settings
+    preset: str
+    device: Any  # torch.device
+    resume: bool
+    overwrite: bool
+    given: frozenset[str]  # the paths set by a file or a flag (not by the preset)
+    args: argparse.Namespace  # the parsed command line, for a system's flags that are not settings
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple):
+        return " ".join(_fmt(v) for v in value)
+    return "none" if value is None else str(value)
+
+
+class TrainParser:
+    """The `train` command line of one system: its presets, and flags each bound to a settings path.
+
+        p = TrainParser("mbsnet-speech", __doc__, SETTINGS, auto=("default", "cpu"))
+        g = p.group("model")
+        p.flag(g, "--layers", path="model.num_layers", type=int, help="encoder layers")
+        run = p.parse(argv)          # -> TrainRun(settings, preset, device, resume, overwrite, given)
+
+    The loop's flags (--steps, --amp, --run_name, --max_minutes, ...) are added for every system.
+    """
+
+    def __init__(
+        self,
+        system: str,
+        description: str,
+        presets: Mapping[str, Preset | Settings],
+        *,
+        auto: tuple[str, str] | None = None,
+        default: str | None = None,
+    ) -> None:
+        """auto: the presets `--config auto` picks (on a GPU, on a CPU); without it, `default` (else the
+        first preset) is the default."""
+        self.system = system
+        self.presets = {k: (v if callable(v) else (lambda _d, s=v: s)) for k, v in presets.items()}
+        self.auto = auto
+        self.default = "auto" if auto else (default or next(iter(presets)))
+        self.parser = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.paths: dict[str, str] = {}  # argparse dest -> settings path
+        self.expand: set[str] = set()  # dests whose value is a {field: value} dict under the path
+        self.flag_names: dict[str, str] = {}  # settings path -> the flag's name (for messages)
+        self._help_presets: dict[str, Settings] | None = None
+        g = self.group("run (memfit)")
+        choices = ", ".join(["auto", *presets] if auto else presets)
+        g.add_argument(
+            "--config",
+            default=self.default,
+            metavar="PRESET|FILE",
+            help=f"a preset ({choices}; default {self.default}) or a run's config.json, whose settings the "
+            "flags then override; on --resume the run's own config.json is the default",
+        )
+        g.add_argument("--resume", action="store_true", help="continue the run in the run folder")
+        g.add_argument(
+            "--overwrite", action="store_true", help="replace the run already in the run folder (deletes it)"
+        )
+        self._loop_added = False
+
+    # -- declaring flags ---------------------------------------------------------------------------
+    def group(self, title: str) -> argparse._ArgumentGroup:
+        return self.parser.add_argument_group(title)
+
+    def flag(
+        self,
+        group: argparse._ArgumentGroup,
+        *names: str,
+        path: str,
+        help: str = "",
+        hidden: tuple[str, ...] = (),
+        expand: bool = False,
+        show_default: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        """A flag that sets the settings at `path`; `hidden` are old spellings (accepted, not shown);
+        with expand the flag's value is a dict of fields under `path` (e.g. --loss mag=0.9)."""
+        dest = kwargs.pop("dest", names[0].lstrip("-").replace("-", "_"))
+        text = help + (f" ({self._defaults_text(path)})" if show_default else "")
+        group.add_argument(*names, dest=dest, default=argparse.SUPPRESS, help=text, **kwargs)
+        for old in hidden:
+            group.add_argument(old, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+        self.paths[dest] = path
+        if expand:
+            self.expand.add(dest)
+        self.flag_names.setdefault(path, names[0])
+
+    def _loop_flags(self) -> None:
+        g = self.group("training loop (memfit)")
+        f = self.flag
+        f(g, "--steps", path="loop.steps", type=int,
+          help="optimizer steps (none with --max_minutes: until it)")
+        f(g, "--max_minutes", path="loop.max_minutes", type=float,
+          help="the run's total time budget: stop cleanly when spent (checkpoint saved); on --resume, the "
+          "minutes already trained count against it; alone, it trains until the budget")
+        f(g, "--grad_accum", path="loop.grad_accum", type=int, help="micro-batches per optimizer step")
+        f(g, "--amp", path="loop.amp", choices=["bf16", "fp16", "none"], help="autocast dtype")
+        f(g, "--grad_clip", path="loop.grad_clip", type=float, help="max gradient norm (0 = off)")
+        f(g, "--compile", path="loop.compile", action=argparse.BooleanOptionalAction, help="torch.compile")
+        f(g, "--log_every", path="loop.log_every", type=int, help="steps between metrics rows")
+        f(g, "--save_every", path="loop.save_every", type=int,
+          help="steps between checkpoints (0 = at the end)")
+        f(g, "--keep_last", path="loop.keep_last", type=int, help="checkpoints to keep")
+        f(g, "--seed", path="loop.seed", type=int, help="random seed (weights, batches)")
+        f(g, "--run_name", path="loop.run_name", help="run folder name, under runs_dir/<system>/")
+        f(g, "--runs_dir", path="loop.runs_dir", help="where run folders live")
+        f(g, "--device", path="loop.device", help="auto | cpu | cuda | cuda:N")
+        f(g, "--threads", path="loop.threads", type=int, help="CPU threads for torch (none: torch's choice)")
+        f(g, "--ema", path="loop.ema", type=float,
+          help="decay of a moving average of the weights that validation, best.pt and eval use (0 = off)")
+        f(g, "--tensorboard", path="loop.tensorboard", action=argparse.BooleanOptionalAction,
+          help="TensorBoard events beside metrics.jsonl (needs the `tensorboard` extra)")
+        f(g, "--progress", path="loop.progress", action=argparse.BooleanOptionalAction, help="progress bar",
+          hidden=())
+        g.add_argument("--no_progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)  # fmt: skip
+
+    def _defaults_text(self, path: str) -> str:
+        """'default 0.003' or 'default: cpu 0.003, default 0.0005': the value in every preset."""
+        if self._help_presets is None:
+            from memfit.distributed import resolve_device
+
+            device = resolve_device("auto")
+            self._help_presets = {name: fn(device) for name, fn in self.presets.items()}
+        values: dict[str, list[str]] = {}
+        for name, s in self._help_presets.items():
+            values.setdefault(_fmt(get_path(s, path)), []).append(name)
+        common = max(values, key=lambda v: len(values[v]))
+        others = "".join(f"; --config {', '.join(names)}: {v}" for v, names in values.items() if v != common)
+        return f"default {common}{others}"
+
+    # -- building the tree -------------------------------------------------------------------------
+    def _named(self, path: str, source: str) -> str:
+        """The flag that sets `path` ('--loss mag' for train.loss.mag), or 'path in FILE'."""
+        if source != "flags":
+            return f"{path} in {source}"
+        head, rest = path, ""
+        while head not in self.flag_names and "." in head:
+            head, _, last = head.rpartition(".")
+            rest = f"{last} {rest}".strip()
+        return f"{self.flag_names.get(head, head)} {rest}".strip()
+
+    def _apply(self, tree: Settings, changes: dict[str, Any], source: str) -> Settings:
+        try:
+            return override(tree, changes)
+        except SettingError as e:
+            raise UsageError(f"error: {self._named(e.path, source)} {e.problem}") from None
+
+    def parse(self, argv: list[str] | None = None) -> TrainRun:
+        """The run's settings: preset <- file <- flags (one line, exit 2, for anything bad). Also caps the
+        thread pools at loop.threads, so data preparation runs on the same threads as training."""
+        from memfit.distributed import resolve_device
+
+        if not self._loop_added:  # last, so --help lists a system's own flags first
+            self._loop_flags()
+            self._loop_added = True
+        args = self.parser.parse_args(argv)
+        flags: dict[str, Any] = {}
+        for dest, path in self.paths.items():
+            if hasattr(args, dest):
+                value = getattr(args, dest)
+                if dest in self.expand:
+                    flags.update({f"{path}.{k}": v for k, v in value.items()})
+                else:
+                    flags[path] = value
+        file = None
+        config = args.config
+        if config not in self.presets and config != "auto":
+            if not (config.endswith(".json") or Path(config).exists()):
+                choices = ", ".join(["auto", *self.presets] if self.auto else self.presets)
+                raise UsageError(
+                    f"error: --config {config!r} is neither a preset ({choices}) nor a file; "
+                    "pass a preset name or a run's config.json"
+                )
+            file = read_config_file(config, self.system)
+        elif args.resume and config == self.default:  # resume: the run's own settings, then the flags
+            loop = LoopConfig()
+            runs_dir = flags.get("loop.runs_dir", loop.runs_dir)
+            run_name = flags.get("loop.run_name", loop.run_name)
+            try:
+                check_run_name(run_name)
+            except ValueError as e:
+                raise UsageError(f"error: --{e}") from None
+            saved = Path(runs_dir) / self.system / run_name / CONFIG_NAME
+            if saved.is_file():
+                file = read_config_file(saved, self.system)
+        file_changes: dict[str, Any] = {}
+        if file is not None:
+            for section in ("model", "train", "loop"):
+                if file[section]:
+                    file_changes[section] = file[section]
+        device_name = flags.get("loop.device", (file or {}).get("loop", {}).get("device", "auto"))
+        device = resolve_device(device_name)
+        preset = (file or {}).get("preset") or (config if file is None else None) or self.default
+        if preset == "auto":
+            preset = (self.auto[0] if device.type == "cuda" else self.auto[1]) if self.auto else self.default
+        if preset not in self.presets:
+            choices = ", ".join(self.presets)
+            raise UsageError(f"error: --config: unknown preset {preset!r}; choose one of {choices}")
+        tree = self.presets[preset](device)
+        source = "the run's config.json" if config == self.default else f"--config {config}"
+        if file_changes:
+            tree = self._apply(tree, file_changes, source)
+        given = set(flatten(file_changes, tree)) if file_changes else set()
+        # a time budget without a step count trains until the budget
+        if "loop.max_minutes" in flags and "loop.steps" not in flags and "loop.steps" not in given:
+            flags["loop.steps"] = None
+        tree = self._apply(tree, flags, "flags")
+        if args.resume and args.overwrite:
+            raise UsageError("error: --resume and --overwrite contradict each other; pick one")
+        if tree.loop.threads is not None:  # before data and model are built, not only once training starts
+            from memfit.cpu import set_threads
+
+            set_threads(tree.loop.threads)
+        return TrainRun(tree, preset, device, args.resume, args.overwrite, frozenset(given | set(flags)),
+                        args)
