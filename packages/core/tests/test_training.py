@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 from memfit.checkpoint import (
-    find_checkpoint,
+    checkpoint_candidates,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -327,8 +327,8 @@ def test_best_metric_writes_best_checkpoint_and_logs_best_step(tmp_path):
     evals = [r for r in rows if "eval/score" in r]
     assert [r["best/score"] for r in evals] == [3.0, 5.0, 5.0, 5.0]
     assert [r["best_step"] for r in evals] == [2, 4, 4, 4]
-    assert find_checkpoint(tmp_path) == tmp_path / "best.pt"
-    assert find_checkpoint(tmp_path, "latest").name == "ckpt_0000008.pt"
+    assert checkpoint_candidates(tmp_path)[:2] == [tmp_path / "best.pt", tmp_path / "ckpt_0000008.pt"]
+    assert checkpoint_candidates(tmp_path, "latest")[0].name == "ckpt_0000008.pt"
 
 
 def test_ema_averages_the_weights_validates_on_them_and_resumes_exactly(tmp_path):
@@ -375,14 +375,14 @@ def test_ema_averages_the_weights_validates_on_them_and_resumes_exactly(tmp_path
         LoopConfig(ema=1.0)
 
 
-def test_best_mode_min_and_find_checkpoint_without_best(tmp_path):
-    assert find_checkpoint(tmp_path) is None
+def test_best_mode_min_and_checkpoint_candidates_without_best(tmp_path):
+    assert checkpoint_candidates(tmp_path) == []
     scores = iter([2.0, 1.0, 3.0])
     t = build(tmp_path, steps=6, save_every=0)
     t.eval_fn, t.eval_every, t.best_metric, t.best_mode = (lambda m: {"loss": next(scores)}), 2, "loss", "min"
     t.fit()
     assert load_checkpoint(tmp_path / "best.pt")["step"] == 4
     (tmp_path / "best.pt").unlink()
-    assert find_checkpoint(tmp_path, "best").name == "ckpt_0000006.pt"  # no best.pt: the newest
+    assert checkpoint_candidates(tmp_path, "best")[0].name == "ckpt_0000006.pt"  # no best.pt: the newest
     with pytest.raises(ValueError, match="best_mode"):
         Trainer(nn.Linear(1, 1), None, None, None, LoopConfig(device="cpu"), best_mode="up")

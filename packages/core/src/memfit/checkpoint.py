@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 from collections.abc import Callable
@@ -90,22 +91,36 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_
     return path
 
 
-def find_checkpoint(run_dir: str | Path, which: str = "best") -> Path | None:
-    """The checkpoint to use from a run folder.
-
-    which="best": run_dir/best.pt if the run tracked a best metric, else the newest intact step
-    checkpoint; which="latest": the newest intact step checkpoint. None when there is none.
-    """
+def checkpoint_candidates(run_dir: str | Path, which: str = "best") -> list[Path]:
+    """The checkpoints to try, in order, when a run folder is loaded: which="best": best.pt if the run
+    tracked a best metric, then the step checkpoints newest first; which="latest": the step checkpoints
+    newest first. load_intact takes the first that is intact."""
     if which not in ("best", "latest"):
         raise ValueError(f"which must be 'best' or 'latest', got {which!r}")
     run_dir = Path(run_dir)
-    if which == "best" and (run_dir / BEST_NAME).is_file():
-        return run_dir / BEST_NAME
-    return latest_checkpoint(run_dir)
+    best = [run_dir / BEST_NAME] if which == "best" and (run_dir / BEST_NAME).is_file() else []
+    return best + list(reversed(list_checkpoints(run_dir)))
+
+
+def _unreadable_why(path: Path, e: Exception) -> str:
+    """Why torch.load refused a file, in a few words (never torch's advice to load it unsafely)."""
+    try:
+        head = path.read_bytes()[:4]
+    except OSError as err:
+        return err.strerror or str(err)
+    if not head:
+        return "the file is empty (a save that never finished?)"
+    if head != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save's zip archive, or its legacy pickle
+        return "not a PyTorch checkpoint"
+    if isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e):
+        return "it holds objects other than tensors and plain data (refused: loading them could run code)"
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+    return f"truncated or damaged ({first})"
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Load a checkpoint file, or the newest one in a run folder (weights_only=True: no code runs)."""
+    """Load a checkpoint file, or the newest one in a run folder (weights_only=True: no code runs).
+    ValueError, in one line, for a file that does not read as a checkpoint."""
     path = Path(path)
     if path.is_dir():
         found = latest_checkpoint(path)
@@ -115,6 +130,76 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # a truncated or foreign file: say which and why, not a pickle traceback
-        raise ValueError(f"could not read checkpoint {path}: {e}") from e
+        raise ValueError(f"could not read checkpoint {path}: {_unreadable_why(path, e)}") from e
+    if not isinstance(state, dict):
+        kind = type(state).__name__
+        raise ValueError(f"could not read checkpoint {path}: it holds a {kind}, not a checkpoint")
+    return state
+
+
+def _is(kind: type | tuple[type, ...]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, kind) and not (kind is int and isinstance(v, bool))
+
+
+def _tensors(v: Any) -> bool:
+    return isinstance(v, dict) and all(isinstance(k, str) and torch.is_tensor(t) for k, t in v.items())
+
+
+# What a checkpoint holds (format 1): entry -> (check, what it must be). MODEL_KEYS are all that loading a
+# model needs; a resume needs every entry of RESUME_KEYS too.
+_SCHEMA: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "format": (lambda v: v == CHECKPOINT_FORMAT, f"{CHECKPOINT_FORMAT} (this memfit's checkpoint format)"),
+    "system": (_is((str, type(None))), "a system name"),
+    "step": (lambda v: _is(int)(v) and v >= 0, "a step count"),
+    "config": (_is(dict), "the model config (a dict)"),
+    "model": (_tensors, "the model's weights (names to tensors)"),
+    "ema_model": (_tensors, "the weight average (names to tensors)"),
+    "optimizer": (lambda v: isinstance(v, dict) and {"state", "param_groups"} <= set(v), "an optimizer's"),
+    "scaler": (_is(dict), "a GradScaler state (a dict)"),
+    "rng": (lambda v: isinstance(v, dict) and isinstance(v.get("torch"), torch.Tensor), "the RNG states"),
+    "progress": (lambda v: isinstance(v, dict) and _is((int, float))(v.get("seconds", 0.0)), "the progress"),
+    "best": (_is((dict, type(None))), "the best metric (a dict)"),
+    "meta": (_is(dict), "a dict"),
+}
+MODEL_KEYS = ("format", "system", "config", "model")
+RESUME_KEYS = (*MODEL_KEYS, "step", "optimizer", "scaler", "rng")
+
+
+def check_checkpoint(state: dict[str, Any], path: Path, required: tuple[str, ...] = MODEL_KEYS) -> None:
+    """ValueError naming the file and the entry when a checkpoint lacks a required entry or holds the
+    wrong kind of value anywhere (checked before anything is restored)."""
+    for key in required:
+        if key not in state:
+            raise ValueError(f"{path} has no {key!r} entry (not a complete memfit checkpoint)")
+    for key, value in state.items():
+        if key in _SCHEMA and (key in required or value is not None) and not _SCHEMA[key][0](value):
+            raise ValueError(f"{path}: its {key!r} entry is not {_SCHEMA[key][1]}")
+
+
+class WeightsMismatch(ValueError):
+    """A checkpoint's weights do not fit the model: a damaged file, or another model (when every
+    checkpoint of a run says so)."""
+
+
+def load_intact(
+    candidates: list[Path], use: Callable[[dict[str, Any], Path], Any], required: tuple[str, ...] = MODEL_KEYS
+) -> tuple[Any, Path, list[tuple[Path, str]]]:
+    """The first of `candidates` that reads, passes check_checkpoint and `use(state, path)` (which raises
+    ValueError for weights that do not fit); returns (use's result, its path, [(skipped path, why)]).
+    `train --resume` and `eval` both fall back through this one function."""
+    skipped: list[tuple[Path, str]] = []
+    errors: list[ValueError] = []
+    for path in candidates:
+        try:
+            state = load_checkpoint(path)
+            check_checkpoint(state, path, required)
+            return use(state, path), path, skipped
+        except ValueError as e:
+            skipped.append((path, str(e)))
+            errors.append(e)
+    if errors and all(isinstance(e, WeightsMismatch) for e in errors):
+        raise errors[0]
+    why = "; ".join(f"{p.name}: {w.split(': ', 1)[-1]}" for p, w in skipped[:3])
+    raise ValueError(f"no intact checkpoint ({why})")

@@ -36,10 +36,12 @@ from torch import nn
 from memfit.checkpoint import (
     BEST_NAME,
     CHECKPOINT_FORMAT,
+    RESUME_KEYS,
+    WeightsMismatch,
     _rng_state,
     _set_rng_state,
     list_checkpoints,
-    load_checkpoint,
+    load_intact,
     save_checkpoint,
     write_atomic,
 )
@@ -49,6 +51,7 @@ from memfit.distributed import init_distributed, resolve_device
 from memfit.errors import UsageError, os_error_message
 from memfit.memory import MIB, PeakMemory, training_state_tensors
 from memfit.metrics_log import MetricsLog
+from memfit.preflight import MemoryStep, out_of_memory, preflight
 from memfit.run_dir import RunFolder
 from memfit.settings import LoopConfig, Settings, tree_dict, write_run_config
 
@@ -136,15 +139,21 @@ def _progress(total: int | None, initial: int, enabled: bool):
 # ----------------------------------------------------------------------------------------------------
 
 
+AMP_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+
+
 def autocast_context(amp: str, device: torch.device) -> contextlib.AbstractContextManager:
     """Autocast for 'bf16' / 'fp16'; nothing for 'none'."""
-    if amp == "none":
+    if AMP_DTYPES[amp] is None:
         return contextlib.nullcontext()
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
+    return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[amp])
 
 
 STOP_NONE, STOP_DONE, STOP_TIME, STOP_SIGNAL = 0, 1, 2, 3
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 # A repeated SIGINT/SIGTERM within this many seconds of the first is the same request (uv and shells
@@ -186,6 +195,10 @@ class Trainer:
     run_dir: str | Path | None = None
     resume: bool = False
     overwrite: bool = False
+    # (batch size, checkpointing) -> the step as memfit.memory.TrainStep, and the batch size the run uses:
+    # the memory pre-flight estimates it and refuses a run that will not fit (cfg.preflight)
+    memory_step: MemoryStep | None = None
+    batch_size: int | None = None
     step: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -203,6 +216,11 @@ class Trainer:
             # for good: memfit.cpu; MEMFIT_KEEP_FREED=0 leaves malloc alone)
             keep_freed_memory()
         self.dist = init_distributed(self.device)
+        if self.cfg.preflight and self.memory_step is not None and self.batch_size is not None:
+            checked = preflight(self.memory_step, self.batch_size, getattr(self.config, "checkpoint", None),
+                                self.device)  # fmt: skip
+            if checked is not None and self.dist.is_main:
+                print(checked.line(), file=sys.stderr)
         self.run_dir = Path(self.run_dir) if self.run_dir is not None else self.cfg.run_dir(self.system)
         self.folder = RunFolder(self.run_dir)
         if self.dist.is_main:  # refuse a used folder or a live trainer before anything is written
@@ -253,6 +271,13 @@ class Trainer:
             group["lr"] = base * factor
 
     # -- checkpoints ------------------------------------------------------------------------------
+    def _last_saved(self) -> str:
+        """Where a run that stops on an error can continue from, for its message."""
+        ckpts = list_checkpoints(self.run_dir)
+        if not ckpts:
+            return "no checkpoint was saved yet"
+        return f"the last checkpoint, {ckpts[-1]}, is intact (--resume)"
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "format": CHECKPOINT_FORMAT,
@@ -282,33 +307,10 @@ class Trainer:
                 f"error: could not save the step-{self.step} checkpoint: {os_error_message(e)}"
             ) from None
 
-    def _resume(self) -> None:
-        """Load the newest intact checkpoint of the run (saying which broken ones it skipped)."""
-        ckpts = list_checkpoints(self.run_dir)
-        if not ckpts:
-            if self.dist.is_main:
-                print(
-                    f"[memfit] --resume: no checkpoint in {self.run_dir}; starting from step 0",
-                    file=sys.stderr,
-                )
-                self.folder.truncate_metrics(0)
-            return
-        state, path = None, None
-        for candidate in reversed(ckpts):
-            try:  # on the CPU: the RNG states must stay CPU ByteTensors; load_state_dict moves the rest
-                state, path = load_checkpoint(candidate, map_location="cpu"), candidate
-                break
-            except ValueError as e:
-                if self.dist.is_main:
-                    print(
-                        f"[memfit] --resume: skipped unreadable {candidate.name} ({e})",
-                        file=sys.stderr,
-                    )
-        if state is None:
-            raise UsageError(
-                f"error: --resume: no intact checkpoint in {self.run_dir} (all {len(ckpts)} unreadable); "
-                "start again with --overwrite or another --run_name"
-            )
+    def _restore(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
+        """Restore the weights, optimizer and EMA of one checkpoint (load_intact's `use`): UsageError for a
+        checkpoint of another system or model config, WeightsMismatch (a ValueError: fall back to an older
+        checkpoint) for weights that do not fit a model of the same config."""
         saved = state.get("system")
         if self.system is not None and saved is not None and saved != self.system:
             raise UsageError(
@@ -319,8 +321,7 @@ class Trainer:
         runtime = set(getattr(type(self.config), "RUNTIME_FIELDS", ("checkpoint",)))
         old, new = ({k: v for k, v in c.items() if k not in runtime}
                     for c in (state.get("config") or {}, config_dict(self.config)))  # fmt: skip
-        diff = config_difference(old, new)
-        if diff:
+        if diff := config_difference(old, new):
             raise UsageError(
                 f"error: --resume: {path} was trained with another model config ({diff}); pass the same "
                 "--config and size flags as that run (a bare --resume reads them), or use another --run_name"
@@ -331,14 +332,38 @@ class Trainer:
             if self.ema_model is not None:  # a run without one starts its average at the resumed weights
                 self.ema_model.module.load_state_dict(state.get("ema_model", state["model"]))
                 self.ema_model.n_averaged.fill_(int(state.get("ema_n", 1)))
-        except (RuntimeError, ValueError, KeyError) as e:
-            diff = config_difference(state.get("config") or {}, config_dict(self.config))
-            why = f"differs in {diff}" if diff else str(e).strip().splitlines()[0][:160]
+            self.scaler.load_state_dict(state["scaler"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as e:
+            raise WeightsMismatch(f"{path}: its weights do not fit the model ({_first_line(e)})") from None
+        return state
+
+    def _resume(self) -> None:
+        """Load the newest intact checkpoint of the run, saying which broken ones it skipped; those newer
+        than the one loaded are removed (a save that never finished), so pruning keeps intact ones."""
+        ckpts = list_checkpoints(self.run_dir)
+        if not ckpts:
+            if self.dist.is_main:
+                print(
+                    f"[memfit] --resume: no checkpoint in {self.run_dir}; starting from step 0",
+                    file=sys.stderr,
+                )
+                self.folder.truncate_metrics(0)
+            return
+        try:  # on the CPU: the RNG states must stay CPU ByteTensors; load_state_dict moves the rest
+            state, path, skipped = load_intact(list(reversed(ckpts)), self._restore, RESUME_KEYS)
+        except WeightsMismatch as e:
             raise UsageError(
-                f"error: --resume: {path} was trained with another model config ({why}); "
-                "pass the same --config and size flags as that run, or use another --run_name"
+                f"error: --resume: {e}; pass the same --config and size flags as that run, or use another "
+                "--run_name"
             ) from None
-        self.scaler.load_state_dict(state["scaler"])
+        except ValueError as e:
+            raise UsageError(
+                f"error: --resume: {self.run_dir} has {e}; start again with --overwrite or another --run_name"
+            ) from None
+        for bad, why in skipped:
+            if self.dist.is_main:
+                print(f"[memfit] --resume: skipped {bad.name}: {why.split(': ', 1)[-1]}", file=sys.stderr)
+                bad.unlink(missing_ok=True)  # newer than `path`, and broken: never a fallback again
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
         self.seconds = float((state.get("progress") or {}).get("seconds", 0.0))
@@ -380,8 +405,9 @@ class Trainer:
         if self.ema_model is not None:
             self.ema_model.update_parameters(self.raw_model)
         if not math.isfinite(total):
-            raise FloatingPointError(
-                f"loss became {total} at step {self.step}; lower --lr, use --amp bf16/none, or check the data"
+            raise UsageError(
+                f"error: the loss became {total} in step {self.step + 1}; {self._last_saved()}; "
+                "lower --lr, use --amp none, or check the data for NaN/Inf values"
             )
         return total, extra
 
@@ -448,6 +474,13 @@ class Trainer:
                     self._evaluate(last)
                 if cfg.save_every and self.step % cfg.save_every == 0 and self.step != cfg.steps:
                     self.save()
+        except Exception as e:
+            if not out_of_memory(e):
+                raise
+            raise UsageError(
+                f"error: out of memory in step {self.step + 1} ({_first_line(e)}); {self._last_saved()}; "
+                "use a smaller --batch_size (the memory pre-flight names one that fits) or --checkpointing"
+            ) from None
         finally:
             bar.close()
         if stop == STOP_SIGNAL:

@@ -2,6 +2,8 @@
 
 - A folder that already holds a run (checkpoints or metrics) is continued only with ``--resume``,
   replaced only with ``--overwrite``; otherwise `train` refuses, naming both and ``--run_name``.
+  ``--overwrite`` deletes nothing: the old run moves aside to ``<run_name>.old-<time>/`` beside it.
+- Temp files of a save that a kill interrupted (``.ckpt_*.pt.tmp<pid>``) are removed at the next start.
 - ``.lock`` holds the pid of the live trainer; a second trainer is refused while that pid lives, and a
   lock left by a dead process is taken over.
 - On resume, metrics rows after the resumed step are dropped, so a run's metrics.jsonl has one row per
@@ -12,14 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import re
 import sys
+import time
 from pathlib import Path
 
 from memfit.checkpoint import BEST_NAME, list_checkpoints
 from memfit.errors import UsageError, os_error_message
 
 LOCK_NAME = ".lock"
+STALE_TEMP = re.compile(r"^\..+\.tmp(\d+)$")  # checkpoint.write_atomic's temp file, named by its pid
 METRICS_NAME = "metrics.jsonl"
 
 
@@ -27,16 +31,15 @@ def resolve_run(run: str | Path | None, system: str, runs_dir: str | Path = "run
     """The run folder or checkpoint file `run` names: None -> runs_dir/system/run; an existing path as is;
     a bare name -> runs_dir/system/name (what `train --run_name name` wrote)."""
     base = Path(runs_dir) / system
-    if run is None:
-        return base / "run"
-    path = Path(run)
+    path = base / "run" if run is None else Path(run)
     if path.exists():
         return path
-    if len(path.parts) == 1 and (base / path).exists():
+    if run is not None and len(path.parts) == 1 and (base / path).exists():
         return base / path
+    name = "run" if run is None else str(run)
     raise UsageError(
-        f"error: no run {str(run)!r}: no such path and no run of that name in {base}; "
-        "train first, or pass --run RUN_NAME or a run folder / checkpoint path"
+        f"error: no run {name!r}: no such path and no run of that name in {base}; "
+        "train first, or pass --run RUN_NAME (and its --runs_dir) or a run folder / .pt file"
     )
 
 
@@ -77,6 +80,7 @@ class RunFolder:
                 f"error: cannot create the run folder {self.path}: {os_error_message(e)}"
             ) from None
         self._lock()
+        self._remove_stale_temp_files()
         if holds_run(self.path) and not resume:
             if overwrite:
                 self._clear()
@@ -116,14 +120,31 @@ class RunFolder:
         raise UsageError(f"error: could not lock {self.path}; another trainer keeps taking it")
 
     def _clear(self) -> None:
-        for p in self.path.iterdir():
-            if p.name == LOCK_NAME:
-                continue
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-        print(f"[memfit] --overwrite: cleared {self.path}", file=sys.stderr)
+        """--overwrite: move everything of the old run (not our lock) to <name>.old-<time>/ beside it."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = self.path.with_name(f"{self.path.name}.old-{stamp}")
+        n = 1
+        while aside.exists():
+            n += 1
+            aside = self.path.with_name(f"{self.path.name}.old-{stamp}-{n}")
+        try:
+            aside.mkdir()
+            for p in self.path.iterdir():
+                if p.name != LOCK_NAME:
+                    os.replace(p, aside / p.name)
+        except OSError as e:
+            self.release()
+            why = os_error_message(e)
+            raise UsageError(f"error: --overwrite: could not move the old run aside: {why}") from None
+        print(f"[memfit] --overwrite: the previous run is now {aside}", file=sys.stderr)
+
+    def _remove_stale_temp_files(self) -> None:
+        """Temp files of saves whose process died (kill -9 mid-save): never a checkpoint, never read."""
+        for p in self.path.glob(".*.tmp*"):
+            m = STALE_TEMP.match(p.name)
+            if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+                p.unlink(missing_ok=True)
+                print(f"[memfit] removed {p.name}, left by an interrupted save", file=sys.stderr)
 
     def release(self) -> None:
         if self.locked:

@@ -63,6 +63,8 @@ class LoopConfig:
     # Exponential moving average of the weights (decay per step, warmed up as min(ema, (1 + n) / (10 + n))
     # after n steps; 0: off). Validation scores the average, best.pt and every checkpoint carry it.
     ema: float = 0.0
+    # Estimate the step's memory before the first step and refuse a run that will not fit (memfit.preflight)
+    preflight: bool = True
 
     def __post_init__(self) -> None:
         check_fields(self, steps=">=0", grad_accum=">=1", keep_last=">=1", log_every=">=1")
@@ -396,6 +398,9 @@ class TrainParser:
           hidden=())
         g.add_argument("--no_progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)  # fmt: skip
+        f(g, "--no_preflight", path="loop.preflight", action="store_false", show_default=False,
+          help="skip the memory pre-flight (the step's peak estimated before the first step; a run that will "
+          "not fit the device is refused, naming the batch that fits)")
 
     def _defaults_text(self, path: str) -> str:
         """'default 0.003' or 'default: cpu 0.003, default 0.0005': the value in every preset."""

@@ -12,6 +12,7 @@ See docs/adding-a-system.md for the checklist.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import import_module
@@ -19,7 +20,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from memfit.checkpoint import CHECKPOINT_FORMAT, find_checkpoint, load_checkpoint
+from memfit.checkpoint import WeightsMismatch, checkpoint_candidates, load_intact
 from memfit.config import from_dict
 from memfit.errors import UsageError, console
 from memfit.memory import TrainStep
@@ -56,6 +57,10 @@ class BudgetEntry:
 
 
 Command = Callable[[list[str] | None], object]
+
+
+def _first(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 def _resolve(spec: Command | str) -> Command:
@@ -102,33 +107,40 @@ class System:
         if self.config_cls is None or self.build_model is None:
             raise TypeError(f"system {self.name} registers no config_cls/build_model; it cannot load models")
         path = self.run_dir(run, runs_dir)
-        if path.is_dir():
-            found = find_checkpoint(path, which)
-            if found is None:
+        if path.is_dir():  # best.pt (for which="best"), then the checkpoints newest first: as --resume does
+            candidates = checkpoint_candidates(path, which)
+            if not candidates:
                 raise UsageError(f"error: no checkpoint in {path}; train first (`{self.name} train`)")
-            path = found
+        else:
+            candidates = [path]
+
+        def build(state: dict[str, Any], file: Path) -> Any:
+            if state.get("system") != self.name:
+                raise UsageError(
+                    f"error: {file} is a {state.get('system')} checkpoint, not {self.name}; "
+                    f"pass a {self.name} run (or use `{state.get('system')} eval`)"
+                )
+            try:
+                cfg = replace(from_dict(self.config_cls, state["config"]), **overrides)
+                model = self.build_model(cfg)
+            except (TypeError, ValueError) as e:
+                raise UsageError(f"error: {file}: its config does not build a model ({_first(e)})") from None
+            try:  # a run's weight average if it kept one
+                model.load_state_dict(state.get("ema_model") or state["model"])
+            except (RuntimeError, ValueError, KeyError) as e:
+                raise WeightsMismatch(f"{file}: its weights do not fit its config ({_first(e)})") from None
+            return model, state
+
         try:
-            state = load_checkpoint(path, map_location="cpu")
-        except (FileNotFoundError, ValueError) as e:
+            (model, state), found, skipped = load_intact(candidates, build)
+        except FileNotFoundError as e:
             raise UsageError(f"error: {e}") from None
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise UsageError(
-                f"error: {path} is not a memfit checkpoint of format {CHECKPOINT_FORMAT} (an older memfit "
-                "wrote it, or another program); retrain it with this version"
-            )
-        if state.get("system") != self.name:
-            raise UsageError(
-                f"error: {path} is a {state.get('system')} checkpoint, not {self.name}; "
-                f"pass a {self.name} run (or use `{state.get('system')} eval`)"
-            )
-        try:
-            cfg = replace(from_dict(self.config_cls, state["config"]), **overrides)
-            model = self.build_model(cfg)
-            model.load_state_dict(state.get("ema_model") or state["model"])  # a run's weight average if kept
-        except (TypeError, ValueError, RuntimeError) as e:
-            first = str(e).strip().splitlines()[0][:160]
-            raise UsageError(f"error: {path}: its weights do not fit its config ({first})") from None
-        state["path"] = str(path)  # which file was loaded, for eval reports
+        except ValueError as e:
+            raise UsageError(f"error: {path}: {e}" if path.is_dir() else f"error: {e}") from None
+        for bad, why in skipped:
+            why = why.split(": ", 1)[-1]
+            print(f"[memfit] skipped {bad.name} ({why}); using {found.name}", file=sys.stderr)
+        state["path"] = str(found)  # which file was loaded, for eval reports
         return model.to(device).eval(), state
 
     def entry(self, kind: str) -> Command:

@@ -12,18 +12,20 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import Trainer, WarmupCosine, autocast_context, set_seed, step_generator
+from memfit.loop import AMP_DTYPES, Trainer, WarmupCosine, autocast_context, set_seed, step_generator
 from memfit.settings import TrainParser
 
 from ginr_cifar.config import SETTINGS
 from ginr_cifar.data import default_cache_dir, load_split, sample_batch
 from ginr_cifar.eval import evaluate_psnr, mean_colour_psnr
 from ginr_cifar.model import GINR
+from ginr_cifar.system import ginr_step
 
 SYSTEM_NAME = "ginr-cifar"
 
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         return res
 
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.99))
+    amp = AMP_DTYPES[loop.amp]
     eval_imgs = val_set.images
 
     def eval_fn(m: GINR) -> dict[str, float]:
@@ -183,6 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
         preset=run.preset,
         resume=run.resume,
         overwrite=run.overwrite,
+        memory_step=lambda b, ckpt: ginr_step(replace(cfg, checkpoint=ckpt), b, t.num_sample_coords, amp),
+        batch_size=t.batch_size,
     )
     result = trainer.fit()
     if "eval/val_psnr" in result:

@@ -15,13 +15,14 @@ import torch
 from memfit.checkpoint import latest_checkpoint, load_checkpoint
 from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import Trainer, WarmupCosine, step_generator
+from memfit.loop import AMP_DTYPES, Trainer, WarmupCosine, step_generator
 from memfit.settings import TrainParser
 
 from gpt2_window.config import ATTN_IMPLS, SETTINGS, GPTConfig, get_config
 from gpt2_window.data import TokenData, load_data
 from gpt2_window.eval import estimate_loss
 from gpt2_window.model import GPT, make_optimizer
+from gpt2_window.system import gpt_step
 
 SYSTEM_NAME = "gpt2-window"
 
@@ -154,6 +155,8 @@ def run(argv: list[str] | None = None) -> dict:
         lr_schedule=WarmupCosine(t.warmup, min_ratio), eval_fn=eval_fn, eval_every=t.eval_every,
         config=cfg, meta=meta, items_per_step=tokens_per_step, system=SYSTEM_NAME,
         settings=r.settings, preset=r.preset, resume=r.resume, overwrite=r.overwrite,
+        memory_step=lambda b, ckpt: gpt_step(replace(cfg, checkpoint=ckpt), b, T, AMP_DTYPES[loop.amp]),
+        batch_size=B,
     )  # fmt: skip
 
     if trainer.dist.is_main:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from dataclasses import replace
 
 import numpy as np
 import torch
 from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import Trainer, WarmupCosine
+from memfit.loop import AMP_DTYPES, Trainer, WarmupCosine
+from memfit.memory import TrainStep
 from memfit.settings import TrainParser, TrainRun
 
 from mbsnet_speech.config import SETTINGS, LossWeights, TrainConfig
@@ -184,10 +186,21 @@ def main(argv: list[str] | None = None) -> dict:
         weight_decay=t.weight_decay,
         betas=(0.8, 0.99),
     )
+    loss_fn = functools.partial(enhancement_loss, weights=t.loss)
+
+    def memory_step(batch: int, checkpointing: bool) -> TrainStep:  # the pre-flight's step: this run's
+        return TrainStep(
+            build_model=lambda: MBSNet(replace(cfg, checkpoint=checkpointing)),
+            make_batch=lambda d: (torch.zeros(batch, crop, device=d), torch.zeros(batch, crop, device=d)),
+            loss=lambda model, b: loss_fn(model, b)[0],
+            optimizer=lambda params: torch.optim.AdamW(params, lr=t.lr, betas=(0.8, 0.99)),
+            amp_dtype=AMP_DTYPES[loop.amp],
+        )
+
     trainer = Trainer(
         device_model,
         opt,
-        functools.partial(enhancement_loss, weights=t.loss),
+        loss_fn,
         get_batch,
         loop,
         lr_schedule=WarmupCosine(warmup),
@@ -199,8 +212,11 @@ def main(argv: list[str] | None = None) -> dict:
         preset=run.preset,
         resume=run.resume,
         overwrite=run.overwrite,
+        memory_step=memory_step,
+        batch_size=t.batch_size,
         **validation_hooks(val_items, t.eval_every),
     )
+    say_noisy_scores(val_items)  # after the pre-flight and the run-folder checks: no work wasted on a refusal
     return trainer.fit()
 
 
@@ -223,16 +239,22 @@ def validation_hooks(items, every: int) -> dict:
         return {}
     from mbsnet_speech.eval import score_model
 
-    if dist_info().rank == 0:
+    return dict(
+        eval_fn=lambda model: score_model(model, items), eval_every=every, best_metric="pesq", best_mode="max"
+    )
+
+
+def say_noisy_scores(items) -> None:
+    """What the validation files score unprocessed: the line the run's validation is read against."""
+    from mbsnet_speech.eval import score_model
+
+    if items and dist_info().rank == 0:
         ref = score_model(None, items)
         print(
             f"mbsnet-train: validation on {len(items)} held-out files; the noisy input scores "
             f"PESQ-wb {ref['pesq']:.3f}, STOI {ref['stoi']:.3f}, SI-SDR {ref['si_sdr']:.2f} dB",
             file=sys.stderr,
         )
-    return dict(
-        eval_fn=lambda model: score_model(model, items), eval_every=every, best_metric="pesq", best_mode="max"
-    )
 
 
 if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias

@@ -14,17 +14,19 @@ that `eval` scores by default is never seen here.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import Trainer, WarmupCosine, set_seed, step_generator
+from memfit.loop import AMP_DTYPES, Trainer, WarmupCosine, set_seed, step_generator
 from memfit.settings import TrainParser
 
 from moremouse_triplane.config import SETTINGS
 from moremouse_triplane.data import FolderScenes, SyntheticScenes, make_source
 from moremouse_triplane.eval import score_scenes
 from moremouse_triplane.model import build_model, ray_loss
+from moremouse_triplane.system import train_step
 
 SYSTEM_NAME = "moremouse-triplane"
 
@@ -131,6 +133,10 @@ def main(argv: list[str] | None = None) -> dict:
         preset=run.preset,
         resume=run.resume,
         overwrite=run.overwrite,
+        # carving skips the empty points, a number the data decides: estimate without it (an upper bound)
+        memory_step=lambda b, ckpt: train_step(replace(cfg, checkpoint=ckpt, carve=0.0), b,
+                                               AMP_DTYPES[loop.amp]),
+        batch_size=B,
         **eval_kw,
     )
     if info.is_main:
