@@ -1,7 +1,13 @@
-"""Repository-wide pytest setup: `cuda` tests skip with a reason on machines without a GPU."""
+"""Repository-wide pytest setup: `cuda` tests skip with a reason on machines without a GPU; the repo root
+is importable, so cross-system tests share `tests/systems.py`."""
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_collection_modifyitems(config, items):

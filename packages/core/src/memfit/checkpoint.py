@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.errors import first_line
+
 CKPT_PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
 BEST_NAME = "best.pt"
 CHECKPOINT_FORMAT = 1  # version of the checkpoint schema: format, system, step, model, optimizer, rng, ...
@@ -114,8 +116,7 @@ def _unreadable_why(path: Path, e: Exception) -> str:
         return "not a PyTorch checkpoint"
     if isinstance(e, pickle.UnpicklingError) and "weights_only" in str(e):
         return "it holds objects other than tensors and plain data (refused: loading them could run code)"
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-    return f"truncated or damaged ({first})"
+    return f"truncated or damaged ({first_line(e, 120)})"
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:

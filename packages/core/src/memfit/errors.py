@@ -29,6 +29,13 @@ class UsageError(SystemExit):
         return self.message
 
 
+def first_line(e: BaseException, limit: int = 160) -> str:
+    """The telling line of an exception's message, for a one-line report (load_state_dict's first line
+    is only a heading ending in ':', so the line after it)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    return (lines[1] if lines[0].endswith(":") and len(lines) > 1 else lines[0])[:limit]
+
+
 def os_error_message(e: OSError) -> str:
     """One line for an OSError: what failed, on which path, and what to do."""
     where = f" {e.filename}" if getattr(e, "filename", None) else ""

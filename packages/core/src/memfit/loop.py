@@ -48,7 +48,7 @@ from memfit.checkpoint import (
 from memfit.config import config_dict, config_difference
 from memfit.cpu import keep_freed_memory, set_threads
 from memfit.distributed import init_distributed, resolve_device
-from memfit.errors import UsageError, os_error_message
+from memfit.errors import UsageError, first_line, os_error_message
 from memfit.memory import MIB, PeakMemory, training_state_tensors
 from memfit.metrics_log import MetricsLog
 from memfit.preflight import MemoryStep, out_of_memory, preflight
@@ -152,8 +152,6 @@ def autocast_context(amp: str, device: torch.device) -> contextlib.AbstractConte
 STOP_NONE, STOP_DONE, STOP_TIME, STOP_SIGNAL = 0, 1, 2, 3
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 # A repeated SIGINT/SIGTERM within this many seconds of the first is the same request (uv and shells
@@ -334,7 +332,7 @@ class Trainer:
                 self.ema_model.n_averaged.fill_(int(state.get("ema_n", 1)))
             self.scaler.load_state_dict(state["scaler"])
         except (RuntimeError, ValueError, KeyError, TypeError) as e:
-            raise WeightsMismatch(f"{path}: its weights do not fit the model ({_first_line(e)})") from None
+            raise WeightsMismatch(f"{path}: its weights do not fit the model ({first_line(e)})") from None
         return state
 
     def _resume(self) -> None:
@@ -478,7 +476,7 @@ class Trainer:
             if not out_of_memory(e):
                 raise
             raise UsageError(
-                f"error: out of memory in step {self.step + 1} ({_first_line(e)}); {self._last_saved()}; "
+                f"error: out of memory in step {self.step + 1} ({first_line(e)}); {self._last_saved()}; "
                 "use a smaller --batch_size (the memory pre-flight names one that fits) or --checkpointing"
             ) from None
         finally:

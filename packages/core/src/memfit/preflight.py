@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.errors import UsageError
+from memfit.errors import UsageError, first_line
 from memfit.memory import GIB, TrainStep, estimate_training_step
 
 # What the process needs per byte of tensors the estimate counts. On the CPU a step's peak RSS grew by
@@ -130,9 +130,8 @@ def preflight(
     try:
         needed = _needs(make, batch, bool(checkpointing), device)
     except Exception as e:  # a model the estimator cannot trace must not stop the run
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
-        print(f"[memfit] memory pre-flight skipped: the step could not be estimated ({first})",
-              file=sys.stderr)
+        why = first_line(e, 120)
+        print(f"[memfit] memory pre-flight skipped: the step could not be estimated ({why})", file=sys.stderr)
         return None
     available, what = available_bytes(device)
     result = Preflight(needed, available, what, time.perf_counter() - t0)

@@ -22,7 +22,7 @@ from typing import Any
 
 from memfit.checkpoint import WeightsMismatch, checkpoint_candidates, load_intact
 from memfit.config import from_dict
-from memfit.errors import UsageError, console
+from memfit.errors import UsageError, console, first_line
 from memfit.memory import TrainStep
 from memfit.run_dir import resolve_run
 
@@ -59,8 +59,6 @@ class BudgetEntry:
 Command = Callable[[list[str] | None], object]
 
 
-def _first(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
 def _resolve(spec: Command | str) -> Command:
@@ -124,11 +122,12 @@ class System:
                 cfg = replace(from_dict(self.config_cls, state["config"]), **overrides)
                 model = self.build_model(cfg)
             except (TypeError, ValueError) as e:
-                raise UsageError(f"error: {file}: its config does not build a model ({_first(e)})") from None
+                why = first_line(e)
+                raise UsageError(f"error: {file}: its config does not build a model ({why})") from None
             try:  # a run's weight average if it kept one
                 model.load_state_dict(state.get("ema_model") or state["model"])
             except (RuntimeError, ValueError, KeyError) as e:
-                raise WeightsMismatch(f"{file}: its weights do not fit its config ({_first(e)})") from None
+                raise WeightsMismatch(f"{file}: its weights do not fit its config ({first_line(e)})") from e
             return model, state
 
         try:
