@@ -14,6 +14,9 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
+from memfit import __version__
 from memfit.errors import UsageError, run_command
 from memfit.estimate import add_parser as estimate_parser
 from memfit.flags import Parser, check_numbers, hidden_alias
@@ -72,8 +75,8 @@ def pick_system(argv: list[str]) -> tuple[str, list[str]]:
                 name = next(iter(systems))
     if name is None:
         raise UsageError(
-            "error: which system? Several are installed; say `uv run --package <system> train` or "
-            f"`train --system <system>`. Installed systems: {choices}"
+            "error: which system? Several are installed; say `memfit train <system>` (or `memfit eval`), "
+            f"`train --system <system>` or `uv run --package <system> train` (Linux). Installed: {choices}"
         )
     if name not in systems:
         raise UsageError(f"error: unknown system {name!r}; installed systems: {choices}")
@@ -205,11 +208,55 @@ def _systems(args: argparse.Namespace) -> int:
 
 def _run_extra(args: argparse.Namespace) -> int:
     system = load_system(args.system)
-    if args.cmd not in system.extra_commands:
+    if args.cmd not in ("train", "eval", *system.extra_commands):
         choices = ", ".join(sorted(system.extra_commands)) or "none"
         raise UsageError(f"error: {args.system} has no command {args.cmd!r}; its extra commands: {choices}")
     sys.argv[0] = f"{args.system} {args.cmd}"
     return run_command(sys.argv[0], system.entry(args.cmd), args.args)
+
+
+def _run_system(run: str, system: str | None, runs_dir: str) -> tuple[str, Path]:
+    """(system name, run path) for `memfit export`: the system from --system, the run's config.json or
+    checkpoint, or the only system with a run of that name under runs_dir."""
+    path = Path(run)
+    if system is None and not path.exists():
+        found = [p.parent.name for p in Path(runs_dir).glob(f"*/{run}") if p.is_dir()]
+        if len(found) != 1:
+            where = f"several systems have a run {run!r}" if found else f"no run {run!r} in {runs_dir}/*/"
+            raise UsageError(f"error: {where}; pass --system SYSTEM, or a run folder")
+        system, path = found[0], Path(runs_dir) / found[0] / run
+    if system is None:
+        from memfit.checkpoint import checkpoint_candidates, load_checkpoint
+        from memfit.settings import CONFIG_NAME
+
+        if (path / CONFIG_NAME).is_file():
+            system = json.loads((path / CONFIG_NAME).read_text()).get("system")
+        else:
+            files = checkpoint_candidates(path) if path.is_dir() else [path]
+            try:
+                system = load_checkpoint(files[0]).get("system") if files else None
+            except ValueError as e:
+                raise UsageError(f"error: {e}") from None
+    if system not in available_systems():
+        raise UsageError(f"error: cannot tell the system of {run}; pass --system SYSTEM")
+    return system, path
+
+
+def _export(args: argparse.Namespace) -> int:
+    from memfit.export import export_run
+
+    name, path = _run_system(args.run, args.system, args.runs_dir)
+    out = export_run(load_system(name), path, args.out, args.runs_dir, args.overwrite)
+    print(f"exported {path} to {out}/ (model.safetensors, config.json, README.md)")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from memfit.plot import plot_run
+
+    out = plot_run(Path(args.run), Path(args.out) if args.out else None)
+    print(f"wrote {out}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -219,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def _main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="memfit", description=__doc__.splitlines()[0])
+    versions = f"memfit {__version__} (torch {torch.__version__})"
+    parser.add_argument("--version", action="version", version=versions)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("budget", help="estimated training-step peak of every system vs its budget")
     p.add_argument("--system", help="only this system")
@@ -243,6 +292,23 @@ def _main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_run_extra)
     p = sub.add_parser("systems", help="list installed systems and their extra commands")
     p.set_defaults(func=_systems)
+    for kind in ("train", "eval"):
+        p = sub.add_parser(kind, help=f"a system's {kind}: `memfit {kind} SYSTEM [flags]` (`--help` after "
+                           "the system lists its flags)", add_help=False)  # fmt: skip
+        p.add_argument("system")
+        p.add_argument("args", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_run_extra, cmd=kind)
+    p = sub.add_parser("export", help="a trained run as model.safetensors + config.json + a model card")
+    p.add_argument("run", help="a run folder, a checkpoint file, or a run name (with --system or unique)")
+    p.add_argument("--out", required=True, help="the folder to write")
+    p.add_argument("--system", help="the run's system (default: read from the run)")
+    p.add_argument("--runs_dir", default="runs", help="where run names are looked up (default %(default)s)")
+    p.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
+    p.set_defaults(func=_export)
+    p = sub.add_parser("plot", help="a run's loss and validation curves as a PNG (from its metrics.jsonl)")
+    p.add_argument("run", help="a run folder")
+    p.add_argument("--out", default=None, help="the PNG to write (default: <run>/curves.png)")
+    p.set_defaults(func=_plot)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -23,6 +23,7 @@ from typing import Any
 from memfit.checkpoint import WeightsMismatch, checkpoint_candidates, load_intact
 from memfit.config import from_dict
 from memfit.errors import UsageError, console, first_line
+from memfit.export import CONFIG, WEIGHTS, is_export, load_export
 from memfit.memory import TrainStep
 from memfit.run_dir import resolve_run
 
@@ -100,11 +101,14 @@ class System:
         **overrides: Any,
     ) -> tuple[Any, dict[str, Any]]:
         """(model in eval mode on device, checkpoint with its "path") from a run (name or folder: best.pt,
-        else the newest checkpoint) or a checkpoint file; overrides replace config fields (e.g. pcs=True).
-        Another system's checkpoint, an old-format one or weights that do not fit: UsageError."""
+        else the newest checkpoint), a checkpoint file or an exported folder (from_pretrained); overrides
+        replace config fields (e.g. pcs=True). Another system's checkpoint, an old-format one or weights
+        that do not fit: UsageError."""
         if self.config_cls is None or self.build_model is None:
             raise TypeError(f"system {self.name} registers no config_cls/build_model; it cannot load models")
         path = self.run_dir(run, runs_dir)
+        if is_export(path):
+            return self.from_pretrained(path, device, **overrides)
         if path.is_dir():  # best.pt (for which="best"), then the checkpoints newest first: as --resume does
             candidates = checkpoint_candidates(path, which)
             if not candidates:
@@ -141,6 +145,16 @@ class System:
             print(f"[memfit] skipped {bad.name} ({why}); using {found.name}", file=sys.stderr)
         state["path"] = str(found)  # which file was loaded, for eval reports
         return model.to(device).eval(), state
+
+    def from_pretrained(self, path: str | Path, device: str | Any = "cpu", **overrides: Any):
+        """(model in eval mode, its config.json as a dict with "path") from a folder `memfit export` wrote:
+        safetensors and json alone, no pickle and no trainer."""
+        if self.config_cls is None or self.build_model is None:
+            raise TypeError(f"system {self.name} registers no config_cls/build_model; it cannot load models")
+        if not is_export(path):
+            raise UsageError(f"error: {path} is not an exported model (no {WEIGHTS} and {CONFIG}); "
+                "run memfit export")
+        return load_export(self, path, device, **overrides)
 
     def entry(self, kind: str) -> Command:
         """The function of `train`, `eval` or an extra command (imported now if given as a path)."""

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-from memfit.distributed import resolve_device
-from memfit.errors import UsageError
 from memfit.flags import add_eval_args, apply_threads, check_numbers
 
-from gpt2_window.data import Tokenizer
+from gpt2_window.api import generate
 
 
 def run(argv: list[str] | None = None) -> list[str]:
@@ -25,28 +22,8 @@ def run(argv: list[str] | None = None) -> list[str]:
     args = p.parse_args(argv)
     check_numbers(args, max_new_tokens=">=0", num_samples=">=1", temperature=">0", top_k=">=1")
     apply_threads(args)
-    device = resolve_device(args.device)
-    try:
-        from gpt2_window.system import SYSTEM
-
-        model, state = SYSTEM.load_model(args.run, device, runs_dir=args.runs_dir)
-        mc = state["meta"]
-        if not mc.get("tokenizer"):
-            raise ValueError(
-                "this run trained on token ids with an unknown vocabulary; nothing to decode text with"
-            )
-        tok = Tokenizer.from_dict(mc["tokenizer"])
-        ids = tok.encode(args.prompt)
-        if not ids:
-            raise ValueError("--prompt is empty; give at least one character")
-    except (ValueError, FileNotFoundError) as e:
-        raise UsageError(f"error: {e}") from None
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
-    out = model.generate(
-        x, args.max_new_tokens, args.temperature, args.top_k or None, generator=g, vocab_limit=tok.vocab_size
-    )
-    texts = [tok.decode(row.tolist()) for row in out]
+    texts = generate(args.prompt, args.run, args.max_new_tokens, args.num_samples, args.temperature,
+                     args.top_k, args.seed, args.device, args.runs_dir)  # fmt: skip
     for i, t in enumerate(texts):
         if args.num_samples > 1:
             print(f"---------- sample {i} ----------")

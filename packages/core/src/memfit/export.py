@@ -1,0 +1,152 @@
+"""Exported models: a folder that rebuilds a trained model without memfit's trainer or any pickle.
+
+    memfit export RUN --out DIR          (RUN: a run folder, a checkpoint file, or a run name with --system)
+
+writes ``DIR/model.safetensors`` (the weights; a run's weight average when it kept one), ``DIR/config.json``
+(``{"format": 1, "system", "config": the model config, "meta": what eval needs and the run's figures}``)
+and ``DIR/README.md`` (a short model card). ``System.from_pretrained(DIR)`` (and each package's
+``load(DIR)``) rebuilds the model from the two files with safetensors alone; every `eval`, `enhance` and
+`generate` takes such a folder as its ``--run`` too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.checkpoint import CHECKPOINT_FORMAT, write_text_atomic
+from memfit.config import from_dict
+from memfit.errors import UsageError, first_line
+from memfit.outputs import check_outputs
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+CARD = "README.md"
+
+
+def is_export(path: str | Path) -> bool:
+    """Whether `path` is a folder that `export` wrote (weights and config side by side)."""
+    path = Path(path)
+    return path.is_dir() and (path / WEIGHTS).is_file() and (path / CONFIG).is_file()
+
+
+def _numbers(d: Any, prefix: str = "") -> dict[str, float]:
+    """The finite numbers of a (nested) JSON object, flattened: what a model card can quote."""
+    out: dict[str, float] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(_numbers(v, f"{prefix}{k}/"))
+    elif isinstance(d, (int, float)) and not isinstance(d, bool) and math.isfinite(d):
+        out[prefix.rstrip("/")] = float(d)
+    return out
+
+
+def _evaluations(run_dir: Path) -> dict[str, dict[str, float]]:
+    """{file: {metric: value}} of the eval results saved in run_dir/eval/ (top-level numbers only)."""
+    found: dict[str, dict[str, float]] = {}
+    for path in sorted((run_dir / "eval").glob("*.json")) if (run_dir / "eval").is_dir() else []:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        nums = {k: v for k, v in _numbers(doc).items() if "/" not in k}
+        if nums:
+            found[path.name] = nums
+    return found
+
+
+def model_card(system: Any, config: dict[str, Any], meta: dict[str, Any]) -> str:
+    """A short README.md for an exported model: what it is, what it was trained on, what it scores."""
+    train = (meta.get("settings") or {}).get("train") or {}
+    data = train.get("data") or meta.get("data") or "the system's built-in default data"
+    lines = [
+        f"# {system.name}: {meta.get('preset') or 'custom'} model",
+        "",
+        system.summary,
+        "",
+        "Load it with `memfit.system.load_system"
+        f'("{system.name}").from_pretrained(DIR)`, or pass the folder as `--run DIR` to the system\'s '
+        "`eval` and extra commands.",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| system | `{system.name}` |",
+        f"| preset | `{meta.get('preset')}` |",
+        f"| parameters | {meta.get('params', 0) / 1e6:.3f}M |",
+        f"| trained | {meta.get('step')} optimizer steps on {data} |",
+    ]
+    best = meta.get("best") or {}
+    if best.get("metric") and best.get("value") is not None:
+        lines.append(f"| validation | best {best['metric']} {best['value']:.4g} at step {best['step']} |")
+    for name, nums in (meta.get("evaluations") or {}).items():
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in list(nums.items())[:8])
+        lines.append(f"| `eval/{name}` | {shown} |")
+    lines += [f"| exported | {meta.get('exported')} from `{meta.get('source')}` |", "", "## Config", ""]
+    lines += ["```json", json.dumps(config, indent=1), "```", ""]
+    return "\n".join(lines)
+
+
+def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Path = "runs",
+               overwrite: bool = False) -> Path:  # fmt: skip
+    """Write the export folder of a run (its best.pt, else its newest intact checkpoint) to `out`."""
+    from safetensors.torch import save_model
+
+    model, state = system.load_model(run, "cpu", runs_dir=runs_dir)
+    source = Path(state["path"])
+    run_dir = source.parent
+    out = Path(out)
+    check_outputs([out], [run_dir], overwrite=True, flag="--out")  # never into the run it reads
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise UsageError(f"error: --out {out} is not empty; pass --overwrite to replace its files, "
+            "or another --out")
+    meta = {
+        **(state.get("meta") or {}),
+        "step": state.get("step"),
+        "best": state.get("best"),
+        "settings": state.get("settings"),
+        "params": sum(p.numel() for p in model.parameters()),
+        "evaluations": _evaluations(run_dir),
+        "source": str(source),
+        "exported": time.strftime("%Y-%m-%d %H:%M"),
+    }
+    doc = {"format": CHECKPOINT_FORMAT, "system": system.name, "config": state["config"], "meta": meta}
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(out / WEIGHTS), metadata={"system": system.name, "format": str(CHECKPOINT_FORMAT)})
+    write_text_atomic(out / CONFIG, json.dumps(doc, indent=2) + "\n")
+    write_text_atomic(out / CARD, model_card(system, state["config"], meta))
+    return out
+
+
+def load_export(system: Any, path: str | Path, device: str | torch.device = "cpu", **overrides: Any):
+    """(model in eval mode, {"config", "meta", "path", "step", "format", "system"}) from an export folder,
+    with safetensors and json alone; overrides replace config fields (e.g. pcs=True)."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_model
+
+    path = Path(path)
+    try:
+        doc = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        why = first_line(e)
+        raise UsageError(f"error: {path / CONFIG}: not readable ({why}); export the run again") from None
+    if doc.get("format") != CHECKPOINT_FORMAT or doc.get("system") != system.name:
+        raise UsageError(
+            f"error: {path} holds a {doc.get('system')} model (format {doc.get('format')}), not a "
+            f"{system.name} "
+            f"one of format {CHECKPOINT_FORMAT}; pass a {system.name} export"
+        )
+    try:
+        cfg = replace(from_dict(system.config_cls, doc["config"]), **overrides)
+        model = system.build_model(cfg)
+        load_model(model, str(path / WEIGHTS), strict=True)
+    except (TypeError, ValueError, RuntimeError, KeyError, OSError) as e:
+        raise UsageError(f"error: {path}: its weights do not fit its config ({first_line(e)})") from None
+    meta = doc.get("meta") or {}
+    info = {**doc, "path": str(path), "step": meta.get("step")}
+    return model.to(device).eval(), info

@@ -1,0 +1,48 @@
+"""One call each: load a trained (or exported) GPT, and sample text from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from memfit.distributed import resolve_device
+from memfit.errors import UsageError
+
+from gpt2_window.data import Tokenizer
+from gpt2_window.model import GPT
+
+
+def load(run: str | Path | None, device: str = "cpu", runs_dir: str | Path = "runs") -> tuple[GPT, dict]:
+    """(model in eval mode, its checkpoint or config.json as a dict) from a run name or folder, a
+    checkpoint file, or a folder `memfit export` wrote."""
+    from gpt2_window.system import SYSTEM
+
+    return SYSTEM.load_model(run, resolve_device(device), runs_dir=runs_dir)
+
+
+def generate(
+    prompt: str,
+    run: str | Path | None,
+    max_new_tokens: int = 200,
+    num_samples: int = 1,
+    temperature: float = 0.8,
+    top_k: int | None = 200,
+    seed: int = 1337,
+    device: str = "cpu",
+    runs_dir: str | Path = "runs",
+) -> list[str]:
+    """`num_samples` continuations of `prompt` (each the prompt and its new text) from a trained model."""
+    model, state = load(run, device, runs_dir)
+    tokenizer = (state.get("meta") or {}).get("tokenizer")
+    if not tokenizer:
+        raise UsageError("error: this run trained on token ids of an unknown vocabulary: no text to decode")
+    tok = Tokenizer.from_dict(tokenizer)
+    ids = tok.encode(prompt)
+    if not ids:
+        raise UsageError("error: the prompt is empty; give at least one character")
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.tensor([ids] * num_samples, dtype=torch.long, device=dev)
+    limit = tok.vocab_size
+    out = model.generate(x, max_new_tokens, temperature, top_k or None, generator=g, vocab_limit=limit)
+    return [tok.decode(row.tolist()) for row in out]

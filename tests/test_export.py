@@ -1,0 +1,118 @@
+"""A trained run leaves memfit: `memfit export` + `from_pretrained` round trips, one-call APIs, versions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from memfit import cli
+from memfit.system import load_system
+
+from tests.systems import ALIASES, evaluate, one_error_line, train
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """{system: (run folder, export folder)}: two tiny steps each, exported."""
+    root = tmp_path_factory.mktemp("export")
+    out = {}
+    for system in sorted(ALIASES):
+        assert train(system, root / "runs", "--steps", "2") == 0
+        run = root / "runs" / system / "run"
+        with pytest.raises(SystemExit) as e:
+            cli.main(["export", str(run), "--out", str(root / system)])
+        assert e.value.code == 0
+        out[system] = (run, root / system)
+    return out
+
+
+@pytest.mark.parametrize("system", sorted(ALIASES))
+def test_export_round_trips_bit_exactly_with_safetensors_alone(system, exported, monkeypatch):
+    run, folder = exported[system]
+    assert sorted(p.name for p in folder.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    doc = json.loads((folder / "config.json").read_text())
+    assert doc["system"] == system and doc["format"] == 1 and doc["meta"]["step"] == 2
+    card = (folder / "README.md").read_text()
+    assert f"# {system}" in card and "2 optimizer steps" in card
+    sys_obj = load_system(system)
+    trained, _ = sys_obj.load_model(run)
+
+    def no_pickle(*a, **k):
+        raise AssertionError("an exported model must load without torch.load")
+
+    monkeypatch.setattr(torch, "load", no_pickle)
+    model, info = sys_obj.from_pretrained(folder)
+    assert info["meta"]["preset"] and not model.training
+    a, b = trained.state_dict(), model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("system", sorted(ALIASES))
+def test_eval_takes_an_exported_folder_as_its_run(system, exported):
+    _, folder = exported[system]
+    assert evaluate(system, folder) == 0
+
+
+def test_export_refuses_to_write_into_its_run_or_over_files(exported, capsys):
+    run, folder = exported["gpt2-window"]
+    for argv, says in [
+        (["export", str(run), "--out", str(run / "exp")], "outputs never replace inputs"),
+        (["export", str(run), "--out", str(folder)], "is not empty; pass --overwrite"),
+        (["export", "nope", "--out", str(folder / "x")], "no run 'nope'"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2 and says in one_error_line(capsys)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", str(run), "--out", str(folder), "--overwrite"])
+    assert e.value.code == 0
+
+
+def test_one_call_apis_work_from_an_exported_folder(exported):
+    import ginr_cifar
+    import gpt2_window
+    import mbsnet_speech
+    import moremouse_triplane
+
+    texts = gpt2_window.generate("def ", exported["gpt2-window"][1], max_new_tokens=5, num_samples=2)
+    assert len(texts) == 2 and all(t.startswith("def ") and len(t) == 9 for t in texts)
+    images = torch.rand(3, 3, 32, 32)
+    assert ginr_cifar.reconstruct(images, exported["ginr-cifar"][1]).shape == (3, 3, 32, 32)
+    assert ginr_cifar.reconstruct(images, exported["ginr-cifar"][1], resolution=64).shape == (3, 3, 64, 64)
+    with pytest.raises(ValueError, match="images must be"):
+        ginr_cifar.reconstruct(torch.rand(3, 32, 32), exported["ginr-cifar"][1])
+    model, _ = moremouse_triplane.load(exported["moremouse-triplane"][1])
+    size = model.cfg.image_size
+    mouse = exported["moremouse-triplane"][1]
+    views = moremouse_triplane.render_views(torch.rand(3, size, size), mouse, views=3)
+    assert views.shape == (3, 3, size, size) and views.min() >= 0 and views.max() <= 1
+    enhancer, _ = mbsnet_speech.load(exported["mbsnet-speech"][1])
+    assert enhancer.cfg is not None
+    for package in (ginr_cifar, gpt2_window, mbsnet_speech, moremouse_triplane):
+        assert package.__version__ == "0.1.0"
+
+
+def test_memfit_version_and_plot(exported, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("memfit 0.1.0 (torch 2.11")
+    run, _ = exported["gpt2-window"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plot", str(run)])
+    assert e.value.code == 0 and (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_memfit_train_and_eval_spell_the_system_portably(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "gpt2-window", "--model", "nano", "--batch_size", "2", "--eval_iters", "1",
+                  "--steps", "1", "--no_progress", "--runs_dir", str(tmp_path)])  # fmt: skip
+    assert e.value.code == 0 and (tmp_path / "gpt2-window" / "run" / "ckpt_0000001.pt").exists()
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", "gpt2-window", "--run", "run", "--runs_dir", str(tmp_path), "--eval_iters", "1"])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "nope"])
+    assert e.value.code == 2 and "unknown system 'nope'" in capsys.readouterr().err
