@@ -28,7 +28,7 @@ def test_pick_system_rules(monkeypatch):
     monkeypatch.setattr(cli, "_uv_run_package", lambda: None)
     assert cli.pick_system(["--system", "beta", "--steps", "3"]) == ("beta", ["--steps", "3"])
     assert cli.pick_system(["--system=alpha"]) == ("alpha", [])
-    with pytest.raises(SystemExit, match="Installed systems: alpha, beta"):
+    with pytest.raises(SystemExit, match="Installed: alpha, beta"):
         cli.pick_system(["--steps", "3"])
     with pytest.raises(SystemExit, match="unknown system 'gamma'"):
         cli.pick_system(["--system", "gamma"])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from gpt2_window.eval import run as eval_run
-from gpt2_window.generate import run as generate_run
+from gpt2_window.sample import run as generate_run
 from gpt2_window.train import run as train_run
 
 REPO = Path(__file__).resolve().parents[3]

@@ -37,7 +37,10 @@ def generate(
     if not tokenizer:
         raise UsageError("error: this run trained on token ids of an unknown vocabulary: no text to decode")
     tok = Tokenizer.from_dict(tokenizer)
-    ids = tok.encode(prompt)
+    try:
+        ids = tok.encode(prompt)
+    except ValueError as e:
+        raise UsageError(f"error: {e}") from None
     if not ids:
         raise UsageError("error: the prompt is empty; give at least one character")
     dev = next(model.parameters()).device

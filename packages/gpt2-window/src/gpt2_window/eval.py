@@ -1,6 +1,6 @@
 """Evaluate a trained GPT: `gpt2-eval [--run RUN_DIR_OR_CKPT]` prints validation loss and perplexity.
 
-`gpt2-eval generate ...` samples text instead (the same as `gpt2_window.generate`).
+`gpt2-eval generate ...` samples text instead (gpt2_window.sample; in Python, `gpt2_window.generate`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
     """main() returning its results (for tests and scripts)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["generate"]:
-        from gpt2_window.generate import run as generate_run
+        from gpt2_window.sample import run as generate_run
 
         return generate_run(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

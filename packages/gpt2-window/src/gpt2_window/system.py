@@ -84,7 +84,7 @@ SYSTEM = System(
     train="gpt2_window.train:main",
     eval="gpt2_window.eval:main",
     budgets=budget_entries,
-    extra_commands={"generate": "gpt2_window.generate:main"},
+    extra_commands={"generate": "gpt2_window.sample:main"},
     config_cls=GPTConfig,
     build_model=GPT,
 )
