@@ -367,7 +367,10 @@ BAD = [
     (["{f}:raises"], "raises() raised ValueError: bad config"),
     (["{f}:needs_args", "--input", "2x8"], "needs arguments (width)"),
     # the module path and the forward's own first error line
-    (["{f}:good", "--input", "2x9"], "failed in `lin` (Linear): RuntimeError: a and b must have same"),
+    (["{f}:good", "--input", "2x9"], "failed in the forward of `lin` (Linear): RuntimeError: a and b must"),
+    (["{f}:bad_build", "--input", "2x8"], "failed while building the model (in Broken.__init__): ValueError"),
+    (["{f}:good", "--input", "2x8:float99"], "is not a torch dtype"),
+    (["{wav}:step"], "is not a Python file"),
     (["{f}:good", "--input", "2xq"], "is not a shape"),
     (["{f}:good"], "returns a module: give its input shape"),
     (["{f}:good", "--input", "2x8", "--gpu-gib", "-1"], "--gpu_gib must be positive"),
@@ -400,12 +403,23 @@ def test_cli_estimate_bad_input_is_one_line_exit_2(tmp_path, capfd, argv, messag
 
             def raises():
                 raise ValueError("bad config")
+
+            class Broken(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.lin = torch.nn.Linear(8, 4)
+                    raise ValueError("no such layer")
+
+            def bad_build():
+                return Broken()
             """
         )
     )
-    code, out, err = _run(capfd, *[a.format(f=f) for a in argv])
+    wav = tmp_path / "some.wav"
+    wav.write_bytes(b"RIFF")
+    code, out, err = _run(capfd, *[a.format(f=f, wav=wav) for a in argv])
     assert code == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and err.startswith("memfit estimate: error: ") and message in err, err
 
 
 def test_fit_says_nothing_fits_in_one_line(capsys):

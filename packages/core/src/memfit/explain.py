@@ -35,14 +35,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memfit.estimate import (
+from memfit.errors import UsageError
+from memfit.fit import largest_batch
+from memfit.memory import GIB, TrainStep
+from memfit.trace import (
     BORN,
     CAT,
     FREED,
     OP,
     SHAPE,
     SRC,
-    BadInput,
     Target,
     Trace,
     fmt_bytes,
@@ -50,8 +52,6 @@ from memfit.estimate import (
     trace_step,
     trace_target,
 )
-from memfit.fit import largest_batch
-from memfit.memory import GIB, TrainStep
 
 MATMULS = {"bmm", "baddbmm"}  # batched: attention scores; a classifier's addmm -> log_softmax is not one
 
@@ -290,7 +290,7 @@ class Scaling:
 def scaling(target: Target, knob: str, base_trace: Trace | None = None, factors=(1, 2, 4)) -> Scaling:
     if knob not in target.knobs:
         names = ", ".join(target.knobs) or "none"
-        raise BadInput(f"--scale {knob!r} is not a knob of this target; its knobs: {names}")
+        raise UsageError(f"error: --scale {knob!r} is not a knob of this target; its knobs: {names}")
     base = target.knobs[knob]
     sizes = [base * f for f in factors]
     traces = [
@@ -472,8 +472,8 @@ def fit_batch(
     base_trace: Trace | None = None,
 ) -> BatchFit:
     if "batch" not in target.knobs:
-        raise BadInput(
-            "--gpu_gib needs a batch knob: give your function a `batch` keyword argument, "
+        raise UsageError(
+            "error: --gpu_gib needs a batch knob: give your function a `batch` keyword argument, "
             "e.g. def step(batch: int = 32) -> TrainStep"
         )
     gather = fsdp_gathered_bytes(target.step()) if shard == "fsdp" and ranks > 1 else 0
