@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 PAGE = 4096  # oneDNN page-aligns each part of an RNN workspace
@@ -201,3 +203,34 @@ class CudaRules(TorchFunctionMode):
 def cuda_rules() -> Iterator[None]:
     with CudaRules():
         yield
+
+
+# ----------------------------------------------------------------------------------------------------
+# Libraries that take another path when they see a fake tensor
+# ----------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def real_run_paths() -> Iterator[None]:
+    """Make libraries that branch on ``isinstance(x, FakeTensor)`` take the path a real run takes.
+
+    transformers (5.x) checks for packed sequences (several sequences in one row, found from the position
+    ids) only when it is not tracing, and treats a fake tensor as tracing: under fake tensors every causal
+    LM then builds a dense (batch, 1, T, T) mask and SDPA loses its `is_causal` fast path. A training step
+    without explicit position ids has one sequence per row, which is what a real run finds."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking.find_packed_sequence_indices
+
+    def find_packed_sequence_indices(position_ids):
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return original(position_ids)
+
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original

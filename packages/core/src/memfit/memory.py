@@ -678,7 +678,7 @@ def _tracked_steps(
 
     # a device context puts a Python __torch_function__ layer under every torch call: only when needed
     on_device = contextlib.nullcontext() if torch.get_default_device() == device else torch.device(device)
-    with tracker, on_device:
+    with tracker, on_device, contextlib.ExitStack() as later:
         tracker.category, tracker.phase = "params", "build"
         model = build_model(step, tracker) if fake else step.build_model()
         opt = step.optimizer(model.parameters())
@@ -695,6 +695,9 @@ def _tracked_steps(
         tracker.phase = "optimizer"
         if prime and steps > 1 and _prime_optimizer(model, opt, tracker):
             steps -= 1
+        # entered once the model is built: its library is imported by then
+        if fake:
+            later.enter_context(kernels.real_run_paths())
         for _ in range(steps):
             tracker.category, tracker.phase = "activations", "input"
             batch = step.make_batch(device)
