@@ -84,8 +84,8 @@ def _mkldnn_rnn_layer(args, out):
     ws = out[3]
     if not train or ws.numel():
         return out
-    steps, batch = (x.shape[1], x.shape[0]) if args[14] else (x.shape[0], x.shape[1])
-    n = mkldnn_lstm_workspace_bytes(steps, batch, x.shape[2], hidden, x.dtype)
+    # the input is time-major here even for batch_first LSTMs (PyTorch transposes before the layer calls)
+    n = mkldnn_lstm_workspace_bytes(x.shape[0], x.shape[1], x.shape[2], hidden, x.dtype)
     return (*out[:3], ws.new_empty((n,), dtype=torch.uint8))
 
 
