@@ -102,7 +102,7 @@ class TraceTracker(_StorageTracker):
             module = "(optimizer)"
         else:
             module = _PHASE_LABELS.get(self.phase, "(build)")
-        entry = [st.nbytes(), category, self.op, module, tuple(t.shape), t.dtype, False, self.seq, None]
+        entry = [self._nbytes(st), category, self.op, module, tuple(t.shape), t.dtype, False, self.seq, None]
         entry.append(self.src)
         self.records.append(entry)
         return entry
