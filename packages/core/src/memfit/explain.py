@@ -87,11 +87,14 @@ def checkpointed(step: TrainStep) -> TrainStep:
 
     def build():
         model = step.build_model()
-        if getattr(model, "supports_gradient_checkpointing", False) and hasattr(
-            model, "gradient_checkpointing_enable"
-        ):
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            return model
+        if getattr(model, "supports_gradient_checkpointing", False):
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+                return model
+            if hasattr(model, "gradient_checkpointing_enable"):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                return model
         for _, block in find_blocks(model):
             block.forward = partial(checkpoint, block.forward, use_reentrant=False)
         return model
