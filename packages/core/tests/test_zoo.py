@@ -4,6 +4,7 @@ against a real two-step CPU run, every live storage counted. A fast subset by de
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ TOOL = Path(__file__).resolve().parents[3] / "tools" / "estimate_zoo.py"
 def _zoo():
     spec = importlib.util.spec_from_file_location("estimate_zoo", TOOL)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
