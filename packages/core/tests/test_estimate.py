@@ -367,7 +367,10 @@ BAD = [
     (["{f}:raises"], "raises() raised ValueError: bad config"),
     (["{f}:needs_args", "--input", "2x8"], "needs arguments (width)"),
     # the module path and the forward's own first error line
-    (["{f}:good", "--input", "2x9"], "failed in `lin` (Linear): RuntimeError: a and b must have same"),
+    (["{f}:good", "--input", "2x9"], "failed in the forward of `lin` (Linear): RuntimeError: a and b must"),
+    (["{f}:bad_build", "--input", "2x8"], "failed while building the model (in Broken.__init__): ValueError"),
+    (["{f}:good", "--input", "2x8:float99"], "is not a torch dtype"),
+    (["{wav}:step"], "is not a Python file"),
     (["{f}:good", "--input", "2xq"], "is not a shape"),
     (["{f}:good"], "returns a module: give its input shape"),
     (["{f}:good", "--input", "2x8", "--gpu-gib", "-1"], "--gpu_gib must be positive"),
@@ -400,12 +403,23 @@ def test_cli_estimate_bad_input_is_one_line_exit_2(tmp_path, capfd, argv, messag
 
             def raises():
                 raise ValueError("bad config")
+
+            class Broken(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.lin = torch.nn.Linear(8, 4)
+                    raise ValueError("no such layer")
+
+            def bad_build():
+                return Broken()
             """
         )
     )
-    code, out, err = _run(capfd, *[a.format(f=f) for a in argv])
+    wav = tmp_path / "some.wav"
+    wav.write_bytes(b"RIFF")
+    code, out, err = _run(capfd, *[a.format(f=f, wav=wav) for a in argv])
     assert code == 2 and out == ""
-    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+    assert err.count("\n") == 1 and err.startswith("memfit estimate: error: ") and message in err, err
 
 
 def test_fit_says_nothing_fits_in_one_line(capsys):
@@ -643,3 +657,91 @@ def test_cpu_measurement_follows_storages_resized_in_place():
         t.untyped_storage().resize_(800)  # 800 B back: live ends at 800 + 5200
         v = torch.empty(1300)  # noqa: F841  5200 B
     assert m.peak_bytes == 6000 and m._tracker.live == 6000
+
+
+# ----------------------------------------------------------------------------------------------------
+# The Python API and the interface edges
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_python_api_returns_the_cli_json(capsys):
+    import json
+
+    import memfit
+
+    tv = pytest.importorskip("torchvision")
+    result = memfit.estimate(tv.models.resnet18, "2x3x64x64", explain=True)
+    code, out, _ = _run(capsys, "torchvision.models:resnet18", "--input", "2x3x64x64", "--explain", "--json")
+    cli = json.loads(out)
+    api = result.to_dict()
+    assert code == 0 and api["peak_gib"] == cli["peak_gib"] and api.keys() == cli.keys()
+    assert [w["what_if"] for w in api["what_ifs"]] == [w["what_if"] for w in cli["what_ifs"]]
+    assert result.peak_bytes == sum(result.by_category.values())
+    assert result.top_tensors[0].op == "convolution" and "peak" in result.format()
+    # a built module: copied, never changed
+    model = nn.Linear(64, 10)
+    before = model.weight.detach().clone()
+    same = memfit.estimate(model, (8, 64))
+    assert torch.equal(model.weight, before) and same.trace.report.params == 650
+
+
+def test_token_ids_are_inferred_from_an_embedding_first_layer():
+    t = make_target(lambda: SeedGPT(64, 64, 2, 2, 16), "seed-gpt", ["2x128"])
+    assert "2x128:int64" in t.describe and "token ids < 64" in t.describe
+    batch = t.step().make_batch("cpu")[0]
+    assert batch.dtype == torch.int64 and int(batch.max()) < 64
+    # an explicit dtype wins; a float model keeps float inputs
+    assert "2x8:float16" in make_target(lambda: nn.Linear(8, 4), "lin", ["2x8:float16"]).describe
+    assert "2x8:float32" in make_target(lambda: nn.Linear(8, 4), "lin", ["2x8"]).describe
+
+
+def test_ranks_print_the_per_rank_peak_at_the_given_batch(capsys):
+    import json
+
+    pytest.importorskip("torchvision")
+    argv = ["torchvision.models:resnet18", "--input", "2x3x64x64", "--json"]
+    one = json.loads(_run(capsys, *argv)[1])
+    ddp = json.loads(_run(capsys, *argv, "--ranks", "4")[1])
+    # DDP: everything on every rank plus its gradient buckets (one more copy of the parameters)
+    gib = ddp["per_rank"]["peak_gib"]
+    assert gib == pytest.approx(one["peak_gib"] + one["by_category_gib"]["params"])
+    code, out, _ = _run(capsys, *argv[:-1], "--ranks", "4", "--shard", "fsdp")
+    assert code == 0 and "Per rank at batch 2 (4 ranks, fsdp)" in out
+
+
+def _hf_gpt2(attn="sdpa", dropout=0.1):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=256,
+        n_positions=128,
+        attn_implementation=attn,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_hf_gpt2_checkpointing_what_if_on_eager_attention_and_no_kv_cache():
+    t = make_target(lambda: _hf_gpt2("eager"), "gpt2-eager", ["4x128"])
+    trace = trace_target(t)
+    rows = {w.name.split(" of ")[0]: w for w in what_ifs(t, trace)}
+    ckpt = rows["checkpoint each"]
+    assert ckpt.peak_bytes is not None and ckpt.peak_bytes < trace.report.peak_bytes, ckpt.note
+    # the step trains with the key/value cache off (transformers turns it on by default)
+    assert _hf_gpt2().config.use_cache and t.step().build_model().config.use_cache is False
+
+
+def test_sdpa_what_if_notices_the_math_path_fallback():
+    t = make_target(lambda: _hf_gpt2("sdpa", dropout=0.1), "gpt2-sdpa", ["4x128"])
+    trace = trace_target(t)
+    row = next(w for w in what_ifs(t, trace) if w.name.startswith("SDPA"))
+    assert row.peak_bytes is not None and row.peak_bytes < trace.report.peak_bytes
+    assert "math path" in row.note
+    # the CUDA target takes the fused kernel: no (T, T) scores at its peak
+    t.device = "cuda"
+    cuda = trace_target(t)
+    assert not [r for r in cuda.at_peak() if r[4][-2:] == (128, 128)]

@@ -35,14 +35,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memfit.estimate import (
+from memfit.errors import UsageError
+from memfit.fit import largest_batch
+from memfit.memory import GIB, TrainStep
+from memfit.trace import (
     BORN,
     CAT,
     FREED,
     OP,
     SHAPE,
     SRC,
-    BadInput,
     Target,
     Trace,
     fmt_bytes,
@@ -50,8 +52,6 @@ from memfit.estimate import (
     trace_step,
     trace_target,
 )
-from memfit.fit import largest_batch
-from memfit.memory import GIB, TrainStep
 
 MATMULS = {"bmm", "baddbmm"}  # batched: attention scores; a classifier's addmm -> log_softmax is not one
 
@@ -81,10 +81,20 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def checkpointed(step: TrainStep) -> TrainStep:
-    """The same step with every automatically found block run under non-reentrant checkpointing."""
+    """The same step with every automatically found block run under non-reentrant checkpointing; a
+    transformers model uses its own switch (``gradient_checkpointing_enable``), which knows its blocks'
+    keyword arguments (masks, position embeddings) and turns the key/value cache off."""
 
     def build():
         model = step.build_model()
+        if getattr(model, "supports_gradient_checkpointing", False):
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+                return model
+            if hasattr(model, "gradient_checkpointing_enable"):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                return model
         for _, block in find_blocks(model):
             block.forward = partial(checkpoint, block.forward, use_reentrant=False)
         return model
@@ -113,11 +123,15 @@ def block_param_bytes(step: TrainStep) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------------
 
 
+SOFTMAXES = {"softmax", "safe_softmax"}  # safe_softmax: F.scaled_dot_product_attention's math path
+
+
 def attention_softmaxes(trace: Trace, hops: int = 4) -> list[list]:
-    """Forward softmax records whose input comes from a matmul within `hops` ops: materialised attention."""
+    """Forward softmax records whose input comes from a matmul within `hops` ops: materialised attention
+    (written out, or F.scaled_dot_product_attention falling back to its math path)."""
     found = []
     for r in trace.records:
-        if r[OP] != "softmax" or len(r[SHAPE]) < 3 or r[SHAPE][-1] < 2:
+        if r[OP] not in SOFTMAXES or len(r[SHAPE]) < 3 or r[SHAPE][-1] < 2:
             continue
         src = r[SRC]
         for _ in range(hops):
@@ -173,9 +187,9 @@ class WhatIf:
         }
 
 
-def _retrace(step: TrainStep) -> int | str:
+def _retrace(step: TrainStep, device: str = "cpu") -> int | str:
     try:
-        return trace_step(step).report.peak_bytes
+        return trace_step(step, device=device).report.peak_bytes
     except Exception as exc:  # a what-if the model does not support is a row, not a crash
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
 
@@ -188,28 +202,34 @@ def what_ifs(target: Target, trace: Trace) -> list[WhatIf]:
         rows.append(WhatIf("SDPA in place of softmax(QK^T)V", None, "no materialised attention in the graph"))
     else:
         peak, n, shapes = sd
-        rows.append(
-            WhatIf(
-                "SDPA in place of softmax(QK^T)V",
-                peak,
-                f"{n} softmax(QK^T) of shape {', '.join(map(str, shapes[:3]))} (cross-attention to "
-                "fewer keys or a feed-forward block would also remove them)",
-            )
+        fallback = sum(r[OP] == "safe_softmax" for r in attention_softmaxes(trace))
+        note = (
+            f"{n} softmax(QK^T) of shape {', '.join(map(str, shapes[:3]))} (cross-attention to "
+            "fewer keys or a feed-forward block would also remove them)"
         )
+        if fallback:
+            note = (
+                f"{fallback} of {n} are F.scaled_dot_product_attention on its math path (dropout, a mask or "
+                f"this device's kernels), shape {', '.join(map(str, shapes[:3]))}: a fused kernel keeps none "
+                "(--device cuda models a CUDA run's)"
+            )
+        rows.append(WhatIf("SDPA in place of softmax(QK^T)V", peak, note))
     if step.amp_dtype is None:
-        rows.append(_retraced("bf16 autocast", _retrace(replace(step, amp_dtype=torch.bfloat16))))
+        rows.append(
+            _retraced("bf16 autocast", _retrace(replace(step, amp_dtype=torch.bfloat16), target.device))
+        )
     else:
         rows.append(WhatIf("bf16 autocast", None, f"already autocast to {step.amp_dtype}"))
     nblocks = block_param_bytes(step)[1]
     if nblocks:
-        got = _retrace(checkpointed(step))
+        got = _retrace(checkpointed(step), target.device)
         note = "blocks: repeated children of a ModuleList/Sequential"
         rows.append(_retraced(f"checkpoint each of {nblocks} blocks", got, note))
     else:
         rows.append(WhatIf("checkpoint each block", None, "no repeated blocks (ModuleList/Sequential) found"))
     if "batch" in target.knobs and target.knobs["batch"] >= 2:
         b = target.knobs["batch"] // 2
-        rows.append(_retraced(f"batch halved ({b})", _retrace(target.step(batch=b))))
+        rows.append(_retraced(f"batch halved ({b})", _retrace(target.step(batch=b), target.device)))
     else:
         rows.append(WhatIf("batch halved", None, "no batch knob"))
     return rows
@@ -290,7 +310,7 @@ class Scaling:
 def scaling(target: Target, knob: str, base_trace: Trace | None = None, factors=(1, 2, 4)) -> Scaling:
     if knob not in target.knobs:
         names = ", ".join(target.knobs) or "none"
-        raise BadInput(f"--scale {knob!r} is not a knob of this target; its knobs: {names}")
+        raise UsageError(f"error: --scale {knob!r} is not a knob of this target; its knobs: {names}")
     base = target.knobs[knob]
     sizes = [base * f for f in factors]
     traces = [
@@ -472,8 +492,8 @@ def fit_batch(
     base_trace: Trace | None = None,
 ) -> BatchFit:
     if "batch" not in target.knobs:
-        raise BadInput(
-            "--gpu_gib needs a batch knob: give your function a `batch` keyword argument, "
+        raise UsageError(
+            "error: --gpu_gib needs a batch knob: give your function a `batch` keyword argument, "
             "e.g. def step(batch: int = 32) -> TrainStep"
         )
     gather = fsdp_gathered_bytes(target.step()) if shard == "fsdp" and ranks > 1 else 0

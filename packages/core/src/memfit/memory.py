@@ -29,8 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+)
 from torch.utils._pytree import tree_flatten
+
+from memfit import kernels
 
 GIB = 1024**3
 MIB = 1024**2
@@ -125,10 +131,13 @@ class _StorageTracker(TorchDispatchMode):
     def __init__(self, fake: bool = False) -> None:
         super().__init__()
         self.fake = fake
+        # the CUDA target sets it: every storage counts what the caching allocator reserves for it
+        self.block: Callable[[int], int] | None = None
         self.live = 0
         self.peak = 0
         self.category = "activations"  # category of new storages: set by the phase of the step
-        self.phase = "build"  # build | input | forward | backward (memfit.estimate labels storages by it)
+        # build | input | forward | loss | backward | optimizer: labels storages and names a failing phase
+        self.phase = "build"
         self.by_category = dict.fromkeys(CATEGORIES, 0)
         self.peak_by_category = dict(self.by_category)
         self.fake_mode: FakeTensorMode | None = None
@@ -208,7 +217,7 @@ class _StorageTracker(TorchDispatchMode):
         entry = self.entry(st)
         if entry is None:
             return
-        delta = st.nbytes() - entry[0]
+        delta = self._nbytes(st) - entry[0]
         entry[0] += delta
         self.live += delta
         self.by_category[entry[1]] += delta
@@ -219,7 +228,10 @@ class _StorageTracker(TorchDispatchMode):
 
     # Extension points (memfit.estimate records what made each storage): an entry is [nbytes, category, ...].
     def _new_entry(self, st, t: torch.Tensor, category: str) -> list:
-        return [st.nbytes(), category]
+        return [self._nbytes(st), category]
+
+    def _nbytes(self, st) -> int:
+        return st.nbytes() if self.block is None else self.block(st.nbytes())
 
     def _on_peak(self) -> None:
         pass
@@ -241,6 +253,9 @@ class _StorageTracker(TorchDispatchMode):
             return _query(func, args, kwargs)
         if self.fake:
             out, made = _fast_fake_call(func, args, kwargs, self.fake_mode)
+            fix = kernels.cpu_fixes.get(id(func))
+            if fix is not None:  # never on the fast path (_op_kind): `made` is None
+                out = fix(args, out)
             if made is not None:  # the fast path knows what is new: its built outputs (none for views)
                 for t in made:
                     st = t.untyped_storage()
@@ -331,7 +346,8 @@ def _op_kind(func) -> str | None:
         return kind
     schema = getattr(func, "_schema", None)
     kind = None
-    if schema is not None and not _NO_CACHE_TAGS.intersection(getattr(func, "tags", ())):
+    fixed = id(func) in kernels.cpu_fixes  # its fake result is corrected after each call
+    if schema is not None and not fixed and not _NO_CACHE_TAGS.intersection(getattr(func, "tags", ())):
         aliases = [r.alias_info for r in schema.returns]
         view = getattr(func, "is_view", False) and bool(schema.returns)
         if view or func is torch.ops.aten._unsafe_view.default:
@@ -639,7 +655,8 @@ def _tracked_steps(
     prime: bool = False,
 ) -> MemoryReport:
     """Build the model and run `steps` training steps under a _StorageTracker (real or fake tensors).
-    prime: the first step is replaced by `_prime_optimizer` (same peak, half the work)."""
+    prime: the first step is replaced by `_prime_optimizer` (same peak, half the work). The tracker's
+    `phase` says where a failing step failed (build, input, forward, loss, backward, optimizer)."""
     tracker = tracker or _StorageTracker(fake=fake)
     retained: dict[str, int] = {}
 
@@ -656,13 +673,17 @@ def _tracked_steps(
 
         return hook
 
+    def model_done(module, args, out):  # what runs after the model's own forward is the loss
+        tracker.phase = "loss"
+
     # a device context puts a Python __torch_function__ layer under every torch call: only when needed
     on_device = contextlib.nullcontext() if torch.get_default_device() == device else torch.device(device)
-    with tracker, on_device:
-        tracker.category = "params"
-        model = step.build_model()
+    with tracker, on_device, contextlib.ExitStack() as later:
+        tracker.category, tracker.phase = "params", "build"
+        model = build_model(step, tracker) if fake else step.build_model()
         opt = step.optimizer(model.parameters())
         handles = tracker.instrument(model)
+        handles.append(model.register_forward_hook(model_done))
         for name, child in model.named_children():
             handles.append(child.register_forward_pre_hook(before(name)))
             handles.append(child.register_forward_hook(after(name)))
@@ -671,16 +692,22 @@ def _tracked_steps(
                 handles.append(p.register_post_accumulate_grad_hook(lambda p: tracker.track(p.grad, "grads")))
         for t in [*model.parameters(), *model.buffers()]:
             tracker.track(t, "params")
+        tracker.phase = "optimizer"
         if prime and steps > 1 and _prime_optimizer(model, opt, tracker):
             steps -= 1
+        # entered once the model is built: its library is imported by then
+        if fake:
+            later.enter_context(kernels.real_run_paths())
         for _ in range(steps):
             tracker.category, tracker.phase = "activations", "input"
             batch = step.make_batch(device)
+            tracker.phase = "forward"
             with _autocast(step, device), tracker.forward_context():
                 loss = step.loss(model, batch)
+            tracker.phase = "backward"
             loss.backward()
             del loss
-            tracker.category = "optimizer"
+            tracker.category, tracker.phase = "optimizer", "optimizer"
             opt.step()
             opt.zero_grad(set_to_none=True)
         for h in handles:
@@ -693,6 +720,74 @@ def _tracked_steps(
         by_module=retained,
         params=n_params,
     )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building any model under fake tensors
+# ----------------------------------------------------------------------------------------------------
+# A constructor may read values it computed: timm's drop-path rates (`torch.linspace(...).item()`), a
+# RegNet's widths (`unique`), a mask's `nonzero`. Fake tensors have no values, so such a model is built
+# for real on the CPU, with the writes into large tensors skipped (initialisers: their values never decide
+# the structure, and untouched pages cost no memory or time), and its tensors are then swapped for fake
+# ones of the same size, dtype and sharing.
+
+_LARGE_WRITE = 1 << 16  # elements; smaller tensors are written for real (a linspace, a mask)
+
+
+class _SkipLargeWrites(TorchDispatchMode):
+    """Runs every op except in-place writes into tensors of at least _LARGE_WRITE elements."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        schema = func._schema
+        big = args and isinstance(args[0], torch.Tensor) and args[0].numel() >= _LARGE_WRITE
+        if schema.is_mutable and big:
+            ret = schema.returns
+            if not ret:
+                return None
+            if len(ret) == 1 and ret[0].alias_info is not None and ret[0].alias_info.is_write:
+                return args[0] if schema.arguments[0].alias_info is not None else kwargs.get("out", args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def build_model(step: TrainStep, tracker: _StorageTracker) -> nn.Module:
+    """step.build_model() under the active fake mode; when the constructor needs real values, built for
+    real (see above) and converted to fake tensors. Raises the constructor's own error if both fail."""
+    try:
+        return step.build_model()
+    except Exception as exc:  # noqa: BLE001 - retried for real below; a real error raises again there
+        first = exc
+    with _disable_current_modes(), torch.device("cpu"), _SkipLargeWrites():
+        try:
+            model = step.build_model()
+        except Exception:
+            raise first from None
+    return _to_fake(model, tracker.fake_mode)
+
+
+def _to_fake(model: nn.Module, mode: FakeTensorMode) -> nn.Module:
+    """The model's parameters, buffers and tensor attributes replaced by fake tensors (ties and shared
+    storages kept)."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            f = mode.from_tensor(t, static_shapes=True)
+            if isinstance(t, nn.Parameter):
+                f = nn.Parameter(f, requires_grad=t.requires_grad)
+            memo[id(t)] = f
+        return memo[id(t)]
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = fake(p)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = fake(b)
+        for name, v in list(vars(mod).items()):
+            if isinstance(v, torch.Tensor) and not is_fake(v):
+                setattr(mod, name, fake(v))
+    return model
 
 
 def measure_training_step(
@@ -775,7 +870,11 @@ def _fake_deepcopy(self: torch.Tensor, memo: dict) -> torch.Tensor:
 
 
 def estimate_training_step(
-    step: TrainStep, steps: int = 2, tracker: _StorageTracker | None = None, prime: bool = True
+    step: TrainStep,
+    steps: int = 2,
+    tracker: _StorageTracker | None = None,
+    prime: bool = True,
+    device: str = "cpu",
 ) -> MemoryReport:
     """Estimate the peak of model build + ``steps`` training steps at full size, with fake tensors on CPU.
 
@@ -785,12 +884,22 @@ def estimate_training_step(
     With ``prime`` (default) the first step's forward and backward are skipped and the optimizer state is
     made directly (``_prime_optimizer``): the same peak in half the time.
     ``by_module`` holds, per top-level module, the bytes its forward leaves alive (saved for backward).
+
+    ``device="cuda"``: what a CUDA run keeps (``memfit.kernels``: CUDA's SDPA backends and autocast policy,
+    the caching allocator's 512-byte blocks); the trace itself still runs on fake CPU tensors.
     """
-    with fake_mode(), _old_objects_frozen():
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    cuda = device == "cuda"
+    tracker = tracker or _StorageTracker(fake=True)
+    if cuda:
+        tracker.block = kernels.cuda_block_bytes
+    rules = kernels.cuda_rules() if cuda else contextlib.nullcontext()
+    with fake_mode(), _old_objects_frozen(), rules:
         report = _tracked_steps(
             step, steps, fake=True, device=torch.device("cpu"), tracker=tracker, prime=prime
         )
-    report.method = "estimated (FakeTensorMode on CPU)"
+    report.method = f"estimated (FakeTensorMode on CPU{', CUDA kernels' if cuda else ''})"
     return report
 
 

@@ -1,0 +1,236 @@
+"""What real kernels keep that a fake-tensor trace does not show, and the CUDA target's kernel choices.
+
+A trace under ``FakeTensorMode`` allocates what each op's fake (meta) implementation returns. Two things
+make that differ from a real run:
+
+* **CPU kernels whose fake implementation under-reports.** oneDNN's LSTM (``aten.mkldnn_rnn_layer``, what
+  ``nn.LSTM`` runs on the CPU) returns a workspace that its meta function makes 0 bytes long; the real one
+  holds every time step's gates and states for backward. ``cpu_fixes`` gives the real size (the formula
+  below, checked against the real kernel over shapes and dtypes in ``tests/test_kernels.py``).
+* **The device.** A CUDA run takes other kernels than the CPU trace. Fake CUDA tensors cannot be traced
+  through backward without a GPU (PyTorch 2.11's autograd engine asks the CUDA driver for a context), so the
+  CUDA target traces fake CPU tensors and applies CUDA's rules itself (``CudaRules``):
+
+  - ``F.scaled_dot_product_attention`` takes the backend CUDA's dispatcher would pick (``sdpa_backend``):
+    flash attention (fp16/bf16, no explicit mask, head dim <= 256), else memory-efficient attention
+    (fp16/bf16/fp32, masks allowed, head dim a multiple of 8, or 4 in fp32), else the math path. The fused
+    kernels are called directly (``aten._scaled_dot_product_flash_attention`` /
+    ``_scaled_dot_product_efficient_attention``), so autograd saves what they return: the output, the fp32
+    log-sum-exp (batch, heads, queries; padded to a multiple of 32 queries for memory-efficient attention)
+    and the dropout RNG state, never the (queries x keys) scores. cuDNN attention, which PyTorch prefers
+    on H100/B200 with a recent cuDNN, keeps the same tensors as flash attention.
+  - autocast follows CUDA's policy: the ops CUDA autocast runs in fp32 (layer_norm, group_norm, softmax,
+    log_softmax, exp, pow, sum, cumsum, the losses, ...; ``CUDA_FP32_OPS``) get fp32 inputs, where CPU
+    autocast would leave them in bf16/fp16.
+  - every allocation is rounded as the caching allocator rounds it: up to a multiple of 512 bytes.
+
+  Not modelled (the ``--margin`` covers them): cuBLAS/cuDNN workspaces, the allocator's fragmentation and
+  cached-but-free blocks, the CUDA context, kernels' internal temporaries (embedding backward's sort), and
+  cuDNN's RNN reserve, whose size only cuDNN knows at run time (the oneDNN workspace, which stores the
+  same per-step gates and states, stands in for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
+
+PAGE = 4096  # oneDNN page-aligns each part of an RNN workspace
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
+
+
+# ----------------------------------------------------------------------------------------------------
+# CPU: oneDNN's LSTM workspace
+# ----------------------------------------------------------------------------------------------------
+
+
+def _good_ld(dim: int, itemsize: int) -> int:
+    """oneDNN's leading dimension: rounded up to 64 bytes, and moved off multiples of 256 elements."""
+    per = 64 // itemsize
+    ld = -(-dim // per) * per
+    return ld + per if ld % 256 == 0 else ld
+
+
+def mkldnn_lstm_workspace_bytes(steps: int, batch: int, input_size: int, hidden: int, dtype) -> int:
+    """Bytes of the workspace one ``aten.mkldnn_rnn_layer`` call (one LSTM layer, one direction) keeps for
+    backward: oneDNN's gates, hidden states, layer and iteration states, cell states and diff states, each
+    part starting on a 4 KiB page. Fitted to and tested against the real kernel (tests/test_kernels.py)."""
+    low = 2 if dtype in (torch.bfloat16, torch.float16) else 4  # the states' dtype; gates too
+    rows_gates = steps * batch
+    rows_states = 2 * (steps + 1) * batch  # (layers + 1) x (steps + 1) x batch
+    wide = max(input_size, hidden)
+    parts = [
+        rows_gates * _good_ld(4 * hidden, low) * low,  # gates
+        rows_gates * _good_ld(hidden, low) * low,  # hidden output per step
+        rows_states * _good_ld(wide, low) * low,  # layer states
+        rows_states * hidden * low,  # iteration states
+        rows_states * hidden * 4,  # cell states (fp32)
+        rows_states * _good_ld(wide, 4) * 4,  # diff layer states (fp32)
+        rows_states * _good_ld(wide, 4) * 4,  # diff iteration states (fp32)
+    ]
+    return sum(-(-p // PAGE) * PAGE for p in parts)
+
+
+def _mkldnn_rnn_layer(args, out):
+    """The real-size workspace in place of the 0-byte one (training calls only)."""
+    x, hidden, train = args[0], args[10], args[15]
+    ws = out[3]
+    if not train or ws.numel():
+        return out
+    # the input is time-major here even for batch_first LSTMs (PyTorch transposes before the layer calls)
+    n = mkldnn_lstm_workspace_bytes(x.shape[0], x.shape[1], x.shape[2], hidden, x.dtype)
+    return (*out[:3], ws.new_empty((n,), dtype=torch.uint8))
+
+
+def _mkldnn_rnn_layer_backward(args, out):
+    """oneDNN's LSTM backward returns fp32 gradients for bf16/fp16 inputs (autograd then casts them to the
+    inputs' dtype); the meta function returns them in the inputs' dtype, half the size."""
+    return tuple(
+        o.new_empty(o.shape, dtype=torch.float32)
+        if isinstance(o, torch.Tensor) and o.dtype in (torch.bfloat16, torch.float16)
+        else o
+        for o in out
+    )
+
+
+# op -> fix(args, out) -> out, applied to the fake result of the op
+cpu_fixes: dict[int, Callable] = {
+    id(torch.ops.aten.mkldnn_rnn_layer.default): _mkldnn_rnn_layer,
+    id(torch.ops.aten.mkldnn_rnn_layer_backward.default): _mkldnn_rnn_layer_backward,
+}
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA target
+# ----------------------------------------------------------------------------------------------------
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """What the CUDA caching allocator reserves for a tensor of `nbytes`: 512-byte blocks (0 for 0)."""
+    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+
+
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, enable_gqa: bool) -> str:
+    """The backend PyTorch's CUDA dispatcher picks for these (post-autocast) inputs on an sm80+ GPU:
+    "flash", "efficient" or "math" (PyTorch's sdp_utils: flash first, then memory-efficient)."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    same_dtype = q.dtype == k.dtype == v.dtype
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if q.dim() != 4 or not same_dtype or q.is_nested:
+        return "math"
+    gqa = q.shape[1] != k.shape[1]
+    if half and attn_mask is None and d_qk == d_v and d_qk <= 256:
+        return "flash"
+    align = 8 if half else 4
+    aligned = d_qk % align == 0 and d_v % align == 0
+    if q.dtype in (torch.float16, torch.bfloat16, torch.float32) and aligned and not (gqa or enable_gqa):
+        return "efficient"
+    return "math"
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention as a CUDA run executes it (see the module docstring)."""
+    if torch.is_autocast_enabled("cpu"):  # CUDA autocast runs SDPA in the low dtype, masks included
+        low = torch.get_autocast_dtype("cpu")
+        query, key, value = (t.to(low) if t.is_floating_point() else t for t in (query, key, value))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
+    backend = sdpa_backend(query, key, value, attn_mask, enable_gqa)
+    with torch.autocast("cpu", enabled=False):
+        if backend == "flash":
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, False, scale=scale
+            )[0]
+        if backend == "efficient":
+            if attn_mask is not None and attn_mask.dtype == torch.bool:  # what sdpa converts it to
+                attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, -math.inf)
+            if attn_mask is not None:
+                attn_mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
+            need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, attn_mask, need_grad, dropout_p, is_causal, scale=scale
+            )[0]
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+
+
+# CUDA autocast's fp32 ops (aten/src/ATen/autocast_mode.cpp, KERNEL_CUDA ... fp32 and fp32_set_opt_dtype),
+# by the name their Python function has; CPU autocast leaves most of these in the low dtype
+CUDA_FP32_OPS = frozenset(
+    """acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow __pow__ __rpow__
+    __ipow__ softplus layer_norm group_norm frobenius_norm nuclear_norm cosine_similarity poisson_nll_loss
+    cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div l1_loss smooth_l1_loss huber_loss
+    mse_loss margin_ranking_loss multilabel_margin_loss soft_margin_loss triplet_margin_loss
+    multi_margin_loss binary_cross_entropy_with_logits dist pdist cdist renorm logsumexp upsample_nearest1d
+    upsample_nearest2d upsample_nearest3d upsample_linear1d upsample_bilinear2d upsample_trilinear3d
+    upsample_bicubic2d interpolate softmax log_softmax cumprod cumsum prod sum norm cross_entropy
+    linalg_vector_norm linalg_matrix_norm""".split()  # noqa: SIM905 - a list of names, one per word
+)
+
+
+class CudaRules(TorchFunctionMode):
+    """The CUDA target's rules on a CPU fake-tensor trace: SDPA backends and CUDA's autocast policy."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention or func is torch._C._nn.scaled_dot_product_attention:
+            return _sdpa(*args, **kwargs)
+        if torch.is_autocast_enabled("cpu") and getattr(func, "__name__", "") in CUDA_FP32_OPS:
+            low = torch.get_autocast_dtype("cpu")
+
+            def up(a):
+                if isinstance(a, torch.Tensor) and a.dtype == low:
+                    return a.float()
+                if isinstance(a, (list, tuple)):
+                    return type(a)(up(x) for x in a)
+                return a
+
+            args, kwargs = up(args), {k: up(v) for k, v in kwargs.items()}
+            with torch.autocast("cpu", enabled=False):
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_rules() -> Iterator[None]:
+    with CudaRules():
+        yield
+
+
+# ----------------------------------------------------------------------------------------------------
+# Libraries that take another path when they see a fake tensor
+# ----------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def real_run_paths() -> Iterator[None]:
+    """Make libraries that branch on ``isinstance(x, FakeTensor)`` take the path a real run takes.
+
+    transformers (5.x) checks for packed sequences (several sequences in one row, found from the position
+    ids) only when it is not tracing, and treats a fake tensor as tracing: under fake tensors every causal
+    LM then builds a dense (batch, 1, T, T) mask and SDPA loses its `is_causal` fast path. A training step
+    without explicit position ids has one sequence per row, which is what a real run finds."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking.find_packed_sequence_indices
+
+    def find_packed_sequence_indices(position_ids):
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return original(position_ids)
+
+    masking.find_packed_sequence_indices = find_packed_sequence_indices
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
