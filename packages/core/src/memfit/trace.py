@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.errors import UsageError
+from memfit.errors import UsageError, first_line
 from memfit.memory import (
     _QUERIES,
     CATEGORIES,
@@ -405,7 +405,7 @@ def _load_callable(spec: str) -> tuple[Callable, str]:
             spec_obj.loader.exec_module(module)  # type: ignore[union-attr]
         except Exception as exc:
             raise UsageError(
-                f"error: importing {where} failed: {type(exc).__name__}: {_first_line(exc)}"
+                f"error: importing {where} failed: {type(exc).__name__}: {first_line(exc, 300)}"
             ) from exc
         finally:
             sys.path.remove(str(path.resolve().parent))
@@ -414,11 +414,12 @@ def _load_callable(spec: str) -> tuple[Callable, str]:
             module = importlib.import_module(where)
         except ModuleNotFoundError as exc:
             raise UsageError(
-                f"error: no module {where!r} ({_first_line(exc)}); install it or give path/to/file.py:func"
+                f"error: no module {where!r} ({first_line(exc, 300)}); install it or give "
+                "path/to/file.py:func"
             ) from exc
         except Exception as exc:
             raise UsageError(
-                f"error: importing {where} failed: {type(exc).__name__}: {_first_line(exc)}"
+                f"error: importing {where} failed: {type(exc).__name__}: {first_line(exc, 300)}"
             ) from exc
     fn = module
     for part in name.split("."):
@@ -428,11 +429,6 @@ def _load_callable(spec: str) -> tuple[Callable, str]:
     if not callable(fn):
         raise UsageError(f"error: {spec} is not callable")
     return fn, spec
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
 
 
 def _int_knobs(fn: Callable) -> tuple[dict[str, int], list[str]]:
@@ -456,7 +452,7 @@ def _call(fn: Callable, spec: str, **kwargs):
     try:
         return fn(**kwargs)
     except Exception as exc:
-        raise UsageError(f"error: {spec}() raised {type(exc).__name__}: {_first_line(exc)}") from exc
+        raise UsageError(f"error: {spec}() raised {type(exc).__name__}: {first_line(exc, 300)}") from exc
 
 
 def factory_step(
@@ -643,7 +639,7 @@ def failure_text(exc: BaseException) -> str:
         where = f" in the forward of `{path or '(top)'}` ({cls or '?'})"
     elif phase == "build" and cls:
         where += f" (in {cls}.__init__)"
-    return f"the training step failed{where}: {type(exc).__name__}: {_first_line(exc)}"
+    return f"the training step failed{where}: {type(exc).__name__}: {first_line(exc, 300)}"
 
 
 def _hint(target: Target, exc: BaseException) -> str:
