@@ -272,3 +272,23 @@ def test_threads_above_the_cpu_count_are_clamped_with_a_note(capsys):
         assert f"this machine has {cpu_count()} CPUs" in capsys.readouterr().err
     finally:
         torch.set_num_threads(before)
+
+
+def test_eval_outputs_never_replace_inputs_or_existing_files(world, capsys):
+    run = world / "runs" / SYSTEM / "other"
+    text = world / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    (world / "full").mkdir()
+    (world / "full" / "mine.json").write_text("{}")
+    before = snapshot(world, run)
+    cases = [
+        (["--data", str(text), "--out", str(text)], "outputs never replace inputs"),
+        (["--out", str(world / "full")], "is not empty; pass --overwrite"),
+        (["--out", str(world / "victim.txt" / "x")], "cannot create the output folder"),
+    ]
+    for extra, says in cases:
+        assert evaluate(SYSTEM, run, *extra) == 2
+        assert says in one_error_line(capsys)
+    assert snapshot(world, run) == before
+    assert evaluate(SYSTEM, run) == 0  # the run's own eval/ folder: a new eval replaces its results
+    assert evaluate(SYSTEM, run) == 0

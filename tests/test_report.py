@@ -20,7 +20,7 @@ def test_report_writes_table_json_and_plots(tmp_path):
         if "moremouse-triplane" in available_systems()
         else sorted(available_systems())[0]
     )
-    main(["--system", system, "--no-bench", "--out", str(tmp_path)])
+    assert main(["--system", system, "--no_bench", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "report.json").read_text())
     rows = data["rows"]
     assert rows and all(r["system"] == system for r in rows)

@@ -83,6 +83,6 @@ def test_ginr_eval_on_a_plain_image_folder(run, tmp_path, monkeypatch, capsys):
     assert ginr_eval.spread(12, 4).tolist() == [0, 4, 7, 11]  # both classes (files 0-5 cat, 6-11 dog)
     with Image.open(tmp_path / "o" / "recon_all.png") as im:
         assert im.size == (4 * (128 + 2) + 2, 2 * (128 + 2) + 2)
-    out64 = ginr_eval.main([*flags, "--resolution", "64", "--grid", "3"])
+    out64 = ginr_eval.main([*flags, "--resolution", "64", "--grid", "3", "--overwrite"])  # --out holds files
     assert out64["resolution"] == 64 and abs(out64["psnr"] - out["psnr"]) < 1.0
     assert (tmp_path / "o" / "recon_all_64.png").exists()

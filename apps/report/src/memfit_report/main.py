@@ -7,7 +7,6 @@ with fitted exponents), plus the benchmarks' JSON when they are run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import subprocess
@@ -15,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from memfit.errors import UsageError
-from memfit.flags import hidden_alias
+from memfit.errors import UsageError, console, os_error_message
+from memfit.flags import Parser
 from memfit.memory import GIB, estimate_training_step, measure_training_step
 from memfit.system import available_systems, load_system
 
@@ -222,14 +221,13 @@ def write_report(out_dir: Path, data: dict) -> None:
         plot_scaling(data["scaling"], out_dir / "scaling.png")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="memfit-report", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    """The report; 0, or 1 when a system is over its budget (bad input: UsageError, exit 2)."""
+    p = Parser(prog="memfit-report", description=__doc__.splitlines()[0])
     p.add_argument("--out", default="reports/latest", help="output folder (default %(default)s)")
     p.add_argument("--system", action="append", help="only these systems (repeatable)")
     p.add_argument("--no_bench", action="store_true", help="skip tools/bench_*.py")
     p.add_argument("--no_calibration", action="store_true", help="skip the small real runs")
-    hidden_alias(p, "--no-bench", dest="no_bench", action="store_true")  # the old spellings
-    hidden_alias(p, "--no-calibration", dest="no_calibration", action="store_true")
     p.add_argument("--tools", default="tools", help="folder of bench_*.py (default %(default)s)")
     args = p.parse_args(argv)
     installed = sorted(available_systems())
@@ -238,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise UsageError(f"error: unknown system(s) {unknown}; installed: {', '.join(installed)}")
     out_dir = Path(args.out)
+    try:  # before minutes of work: an unwritable location fails now
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"error: cannot create --out {out_dir}: {os_error_message(e)}") from None
     print(f"estimating {len(systems)} system(s)")
     data = collect(systems, calibrate=not args.no_calibration)
     if not args.no_bench and Path(args.tools).is_dir():
@@ -248,8 +250,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"wrote {out_dir}/report.md, report.json and plots")
     over = [r for r in data["rows"] if r["fits"] is False]
     if over:
-        raise SystemExit(f"over budget: {[(r['system'], r['variant']) for r in over]}")
+        print(f"over budget: {[(r['system'], r['variant']) for r in over]}", file=sys.stderr)
+        return 1
+    return 0
 
+
+cli = console(main, "memfit-report")  # the console script: one line and exit 2 for bad input
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(cli())

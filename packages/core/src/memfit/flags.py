@@ -59,14 +59,23 @@ def add_eval_args(parser: argparse.ArgumentParser, system: str, out: bool = True
     g.add_argument("--runs_dir", default="runs", help="where train wrote its runs (default %(default)s)")
     if out:
         g.add_argument("--out", default=None, help="output folder (default: <run folder>/eval)")
+        g.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     add_threads_arg(g)
     return parser
 
 
-def eval_out_dir(args: argparse.Namespace, run_path: Path) -> Path:
-    """--out, or <run folder>/eval; created here so an unwritable location fails before the work."""
+def eval_out_dir(args: argparse.Namespace, run_path: Path, inputs: tuple = ()) -> Path:
+    """--out, or <run folder>/eval (the run's own: a new eval replaces its files); created here so an
+    unwritable location fails before the work. --out may not lie inside an input (`inputs`, e.g. --data),
+    and a non-empty --out needs --overwrite."""
+    from memfit.outputs import check_outputs
+
     out = Path(args.out) if args.out else (run_path if run_path.is_dir() else run_path.parent) / "eval"
+    check_outputs([out], [p for p in inputs if p], overwrite=True)
+    if args.out and out.is_dir() and any(out.iterdir()) and not getattr(args, "overwrite", False):
+        raise UsageError(f"error: --out {out} is not empty; pass --overwrite to replace its files, "
+            "or another --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

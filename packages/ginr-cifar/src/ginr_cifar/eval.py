@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.metrics import psnr_per_image
 from memfit.run_dir import resolve_run
 
@@ -35,7 +35,7 @@ DECODE_TOKENS = 2**17  # coordinates decoded at once (images x pixels), bounds e
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
     p.add_argument(
         "--split",
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_numbers(args, batch_size=">=1", grid=">=1", num_images=">=1", resolution=">=1")
     device = resolve_device(args.device)
     run = resolve_run(args.run, "ginr-cifar", args.runs_dir)
-    out = eval_out_dir(args, run)
+    out = eval_out_dir(args, run, (args.data,))
     try:
         model, meta = load_model(run, device)
         data = args.data if args.data is not None else meta.get("data")

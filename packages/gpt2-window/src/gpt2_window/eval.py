@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import torch
 from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.loop import autocast_context, step_generator
 from memfit.run_dir import resolve_run
 
@@ -62,7 +61,7 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
         from gpt2_window.sample import run as generate_run
 
         return generate_run(argv[1:])
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     add_eval_args(p, "gpt2-window")
     p.add_argument("--amp", choices=["bf16", "fp16", "none"], default="none", help="autocast for evaluation")
     p.add_argument("--data", default=None, help="evaluation data (default: the data the run trained on)")
@@ -76,7 +75,7 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
     check_numbers(args, batch_size=">=1", eval_iters=">=1", sequence_length=">=1")
     device = resolve_device(args.device)
     run = resolve_run(args.run, "gpt2-window", args.runs_dir)
-    out = eval_out_dir(args, run)
+    out = eval_out_dir(args, run, (args.data,))
     try:
         model, mc = load_model(run, device)
         tok = Tokenizer.from_dict(mc["tokenizer"]) if mc.get("tokenizer") else "char"

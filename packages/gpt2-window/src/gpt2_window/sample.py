@@ -1,17 +1,15 @@
-"""Sample text from a trained GPT: `gpt2-eval generate --run RUN --prompt "ROMEO:" --max_new_tokens 200`."""
+"""Sample text from a trained GPT: `memfit run gpt2-window generate --run RUN --prompt "ROMEO:"`."""
 
 from __future__ import annotations
 
-import argparse
-
-from memfit.flags import add_eval_args, apply_threads, check_numbers
+from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers
 
 from gpt2_window.api import generate
 
 
 def run(argv: list[str] | None = None) -> list[str]:
     """main() returning its results (for tests and scripts)."""
-    p = argparse.ArgumentParser(prog="gpt2-eval generate", description=__doc__.splitlines()[0])
+    p = Parser(prog="memfit run gpt2-window generate", description=__doc__.splitlines()[0])
     add_eval_args(p, "gpt2-window", out=False)
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--max_new_tokens", type=int, default=200)

@@ -1,4 +1,4 @@
-"""Enhance wav files with a trained MBS-Net: `uv run python -m mbsnet_speech.enhance IN --out DIR`.
+"""Enhance wav files with a trained MBS-Net: `memfit run mbsnet-speech enhance IN --out DIR --run RUN`.
 
 IN is a wav file or a folder of them; long files are processed in chunks that overlap and are
 cross-faded, so memory stays bounded whatever the file length.
@@ -17,7 +17,7 @@ import soundfile as sf
 import torch
 from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import add_threads_arg, apply_threads, check_numbers, eval_out_dir, hidden_alias
+from memfit.flags import Parser, add_threads_arg, apply_threads, check_numbers, eval_out_dir, hidden_alias
 from memfit.run_dir import resolve_run
 
 from mbsnet_speech.data import AUDIO_EXTS, SAMPLE_RATE, conversion_notes, read_wav, write_wav
@@ -98,7 +98,7 @@ def model_fn(model: MBSNet) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def main(argv: list[str] | None = None) -> list[Path]:
     """Enhance a wav or a folder of wavs; returns the written paths."""
-    p = argparse.ArgumentParser(prog="mbsnet-enhance", description=__doc__.splitlines()[0])
+    p = Parser(prog="memfit run mbsnet-speech enhance", description=__doc__.splitlines()[0])
     p.add_argument("input", help="a .wav file or a folder of them")
     p.add_argument("--out", required=True, help="output folder (same file names)")
     p.add_argument(
@@ -153,4 +153,4 @@ def main(argv: list[str] | None = None) -> list[Path]:
 if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias
     from memfit.errors import run_command
 
-    raise SystemExit(run_command("mbsnet-enhance", main))
+    raise SystemExit(run_command("memfit run mbsnet-speech enhance", main))

@@ -6,7 +6,6 @@ when there is one) or, by default, generated held-out pairs that no training bat
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import re
@@ -15,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir, hidden_alias
+from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir, hidden_alias
 from memfit.run_dir import resolve_run
 
 from mbsnet_speech.classical import wiener_enhance
@@ -156,7 +155,7 @@ def spectrogram_png(
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Evaluate from the command line (argv None -> sys.argv[1:]); returns the summary."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default=None, help="clean_*/noisy_* root; default: generated held-out pairs")
     p.add_argument("--pairs", type=int, default=16, help="generated pairs to evaluate")
     p.add_argument("--seconds", type=float, default=3.0, help="length of generated pairs")
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     apply_threads(args)
     check_numbers(args, pairs=">=1", seconds=">0", limit=">=1")
     run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
-    out_dir = eval_out_dir(args, run)
+    out_dir = eval_out_dir(args, run, (args.data,))
     try:
         from mbsnet_speech.system import SYSTEM
 

@@ -24,7 +24,6 @@ Images are square RGB or RGBA (composited on white), image_size x image_size, th
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections import OrderedDict
@@ -33,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from memfit.flags import Parser
 from PIL import Image
 
 from moremouse_triplane.render import intrinsics, look_at, orbit_eye, pixel_rays
@@ -440,7 +440,7 @@ def export_scenes(
 
 def export_main(argv: list[str] | None = None) -> None:
     """`make-data`: write generated mice as a folder of renders (the --data layout)."""
-    p = argparse.ArgumentParser(prog="mouse-make-data", description=export_main.__doc__)
+    p = Parser(prog="memfit run moremouse-triplane make-data", description=export_main.__doc__)
     p.add_argument("out", help="output folder")
     p.add_argument("--num_scenes", type=int, default=8)
     p.add_argument("--image_size", type=int, default=32)

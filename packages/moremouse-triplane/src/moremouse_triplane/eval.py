@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.metrics import psnr_per_image
 from memfit.run_dir import resolve_run
 from PIL import Image
@@ -165,7 +165,7 @@ def evaluate(
 
 def main(argv: list[str] | None = None) -> dict:
     """Evaluate a trained run; prints and returns {psnr, ssim, psnr_constant, ssim_constant, ...}."""
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--data", default=None, help="folder of renders; default: held-out generated mice (see --split)"
     )
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
     check_numbers(args, num_scenes=">=1")
     device = resolve_device(args.device)
     run = resolve_run(args.run, "moremouse-triplane", args.runs_dir)
-    out = eval_out_dir(args, run)
+    out = eval_out_dir(args, run, (args.data,))
     from moremouse_triplane.system import SYSTEM
 
     try:
