@@ -264,6 +264,7 @@ TF = {
             "num_conv_pos_embedding_groups": 4,
             "vocab_size": 32,
             "mask_time_prob": 0.0,
+            "layerdrop": 0.0,  # LayerDrop draws a random number per layer and branches on it
         },
         "audio",
     ),

@@ -49,7 +49,7 @@ from memfit.config import config_dict, config_difference
 from memfit.cpu import keep_freed_memory, set_threads
 from memfit.distributed import init_distributed, resolve_device
 from memfit.errors import UsageError, first_line, os_error_message
-from memfit.memory import MIB, PeakMemory, training_state_tensors
+from memfit.memory import AMP_DTYPES, MIB, PeakMemory, training_state_tensors
 from memfit.metrics_log import MetricsLog
 from memfit.preflight import MemoryStep, out_of_memory, preflight
 from memfit.run_dir import RunFolder
@@ -137,9 +137,6 @@ def _progress(total: int | None, initial: int, enabled: bool):
 # ----------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------
-
-
-AMP_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 
 def autocast_context(amp: str, device: torch.device) -> contextlib.AbstractContextManager:

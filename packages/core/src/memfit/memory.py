@@ -42,6 +42,7 @@ GIB = 1024**3
 MIB = 1024**2
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
+AMP_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 
 def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:

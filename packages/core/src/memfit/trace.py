@@ -34,6 +34,7 @@ from torch import nn
 from memfit.errors import UsageError, first_line
 from memfit.memory import (
     _QUERIES,
+    AMP_DTYPES,
     CATEGORIES,
     GIB,
     MemoryReport,
@@ -542,7 +543,7 @@ def make_target(
             "e.g. "
             f"def make(): return {getattr(fn, '__name__', 'Model')}(...) in a file of yours"
         )
-    amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    amp_dtype = AMP_DTYPES[amp]
     if inputs:
         parsed = [parse_input(s) for s in inputs]
         shapes = [p[0] for p in parsed]

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import AMP_DTYPES, Trainer, WarmupCosine, autocast_context, set_seed, step_generator
+from memfit.loop import Trainer, WarmupCosine, autocast_context, set_seed, step_generator
+from memfit.memory import AMP_DTYPES
 from memfit.settings import TrainParser
 
 from ginr_cifar.config import SETTINGS

@@ -15,7 +15,8 @@ import torch
 from memfit.checkpoint import latest_checkpoint, load_checkpoint
 from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import AMP_DTYPES, Trainer, WarmupCosine, step_generator
+from memfit.loop import Trainer, WarmupCosine, step_generator
+from memfit.memory import AMP_DTYPES
 from memfit.settings import TrainParser
 
 from gpt2_window.config import ATTN_IMPLS, SETTINGS, GPTConfig, get_config

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import AMP_DTYPES, Trainer, WarmupCosine
-from memfit.memory import TrainStep
+from memfit.loop import Trainer, WarmupCosine
+from memfit.memory import AMP_DTYPES, TrainStep
 from memfit.settings import TrainParser, TrainRun
 
 from mbsnet_speech.config import SETTINGS, LossWeights, TrainConfig

@@ -19,7 +19,8 @@ from dataclasses import replace
 import torch
 from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import AMP_DTYPES, Trainer, WarmupCosine, set_seed, step_generator
+from memfit.loop import Trainer, WarmupCosine, set_seed, step_generator
+from memfit.memory import AMP_DTYPES
 from memfit.settings import TrainParser
 
 from moremouse_triplane.config import SETTINGS
