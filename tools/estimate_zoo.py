@@ -3,7 +3,7 @@ architectures built from config. Each model is estimated (fake tensors, the `mem
 measured (a real two-step CPU run, every live tensor storage counted: the steady state with optimizer
 state), at small shapes, and the table is written to docs/estimate-zoo.md.
 
-    flock /work/cpu0.lock taskset -c 0 env OMP_NUM_THREADS=1 uv run python tools/estimate_zoo.py
+    OMP_NUM_THREADS=1 uv run python tools/estimate_zoo.py
     uv run python tools/estimate_zoo.py --only resnet18,tf:gpt2 --no-write     # a few, printed only
 
 Nothing is downloaded: timm models are built with pretrained=False, transformers models from small
@@ -535,7 +535,7 @@ model library).
 Regenerate (about {(time.perf_counter() - t_all) / 60:.0f} minutes on one core):
 
 ```bash
-flock /work/cpu0.lock taskset -c 0 env OMP_NUM_THREADS=1 uv run python tools/estimate_zoo.py
+OMP_NUM_THREADS=1 uv run python tools/estimate_zoo.py
 ```
 
 torch {torch.__version__}, torchvision {__import__("torchvision").__version__}, timm {timm.__version__},

@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 uv run --frozen python tools/time_budget.py [--system S] [--profile OUT.prof]
 
 Prints per entry: wall and process CPU seconds (CPU time is what a busy machine does not inflate), the
-estimated peak in bytes (exact, so a speed change that moves a figure shows), and params. Run it under
-/work/helpers/cpuquiet (or say the load) when the times matter.
+estimated peak in bytes (exact, so a speed change that moves a figure shows), and params. Run it on a
+quiet machine (or say the load) when the times matter.
 """
 
 from __future__ import annotations
