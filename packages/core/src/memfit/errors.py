@@ -36,6 +36,15 @@ def first_line(e: BaseException, limit: int = 160) -> str:
     return (lines[1] if lines[0].endswith(":") and len(lines) > 1 else lines[0])[:limit]
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether an exception is an allocation failure: MemoryError (numpy's too), torch's OutOfMemoryError
+    (CUDA) or the CPU allocator's RuntimeError."""
+    text = str(e)
+    return isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+    )
+
+
 def os_error_message(e: OSError) -> str:
     """One line for an OSError: what failed, on which path, and what to do."""
     where = f" {e.filename}" if getattr(e, "filename", None) else ""
@@ -64,6 +73,12 @@ def run_command(prog: str, fn: Callable[[list[str] | None], Any], argv: list[str
         return EXIT_USAGE
     except OSError as e:
         print(f"{prog}: error: {os_error_message(e)}", file=sys.stderr)
+        return EXIT_USAGE
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        print(f"{prog}: error: out of memory ({first_line(e)}); ask for less (a smaller size, batch, length)",
+              file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

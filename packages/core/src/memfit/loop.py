@@ -48,10 +48,10 @@ from memfit.checkpoint import (
 from memfit.config import config_dict, config_difference
 from memfit.cpu import keep_freed_memory, set_threads
 from memfit.distributed import init_distributed, resolve_device
-from memfit.errors import UsageError, first_line, os_error_message
+from memfit.errors import UsageError, first_line, os_error_message, out_of_memory
 from memfit.memory import AMP_DTYPES, MIB, PeakMemory, training_state_tensors
 from memfit.metrics_log import MetricsLog
-from memfit.preflight import MemoryStep, out_of_memory, preflight
+from memfit.preflight import MemoryStep, preflight
 from memfit.run_dir import RunFolder
 from memfit.settings import LoopConfig, Settings, tree_dict, write_run_config
 

@@ -147,11 +147,3 @@ def preflight(
         f"error: a training step needs ~{needed / GIB:.2f} GiB at {flag} {batch}, and the {device.type} "
         f"has {available / GIB:.2f} GiB ({what}); {fix} (memfit's estimate; --no_preflight skips it)"
     )
-
-
-def out_of_memory(e: BaseException) -> bool:
-    """Whether an exception is an allocation failure (CUDA, the CPU allocator, or numpy)."""
-    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
