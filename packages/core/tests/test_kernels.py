@@ -195,3 +195,30 @@ def test_cuda_autocast_policy_matches_cudas_own_dispatcher(monkeypatch, name):
 
 def test_cuda_block_rounding():
     assert [kernels.cuda_block_bytes(n) for n in (0, 1, 512, 513, 4096 + 1)] == [0, 512, 512, 1024, 4608]
+
+
+def test_cuda_rules_reach_activation_checkpointings_recompute():
+    """Checkpoint recomputes its block inside backward, where a TorchFunctionMode is not seen: the CUDA
+    target enters its rules around the recompute too, so the recomputed layer_norm is fp32 like the saved
+    one (torch.utils.checkpoint refuses a mismatch) and the estimate runs; with a bf16 autocast block the
+    CUDA target's fp32 layer norms make it larger than the CPU kernels' estimate."""
+    from memfit.layers import checkpointed
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin = nn.LayerNorm(256), nn.Linear(256, 256)
+
+        def forward(self, x):
+            return checkpointed(lambda y: self.lin(self.norm(y)), x)
+
+    step = TrainStep(
+        build_model=lambda: nn.Sequential(*[Block() for _ in range(3)]),
+        make_batch=lambda d: torch.randn(64, 128, 256, device=d),
+        loss=lambda m, b: m(b).float().pow(2).mean(),
+        amp_dtype=torch.bfloat16,
+    )
+    cpu = estimate_training_step(step).peak_bytes
+    cuda = estimate_training_step(step, device="cuda").peak_bytes
+    assert cuda > cpu
+    assert torch.utils.checkpoint.checkpoint.__module__ == "torch.utils.checkpoint"  # restored after

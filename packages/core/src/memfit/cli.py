@@ -112,8 +112,9 @@ def eval_main(argv: list[str] | None = None) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def budget_rows(system: str | None = None) -> list[dict]:
-    """Estimate every registered (system, variant) paper-size step; one dict per row (`budget --json`)."""
+def budget_rows(system: str | None = None, device: str = "cpu") -> list[dict]:
+    """Estimate every registered (system, variant) paper-size step; one dict per row (`budget --json`).
+    device="cuda": with a CUDA run's kernels and allocator rounding (memfit.kernels)."""
     from memfit.memory import estimate_training_step
 
     names = sorted(available_systems()) if system is None else [system]
@@ -122,7 +123,7 @@ def budget_rows(system: str | None = None) -> list[dict]:
         sys_obj = load_system(name)
         entries: list[BudgetEntry] = sys_obj.budgets()
         for e in entries:
-            report = estimate_training_step(e.step)
+            report = estimate_training_step(e.step, device=device)
             rows.append(
                 {
                     "system": name,
@@ -168,11 +169,12 @@ def _budget(args: argparse.Namespace) -> int:
     if args.system is not None and args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
         raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
-    rows = budget_rows(args.system)
+    rows = budget_rows(args.system, args.device)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        print("Estimated peak of one paper-size training step (fake tensors on CPU; `--json` for details)")
+        kernels = "CUDA's kernels" if args.device == "cuda" else "the CPU's kernels"
+        print(f"Estimated peak of one paper-size training step (fake tensors, {kernels}; --json for details)")
         print(format_budget_table(rows))
     return 0 if all(r["fits"] is not False for r in rows) else 1
 
@@ -272,6 +274,8 @@ def _main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("budget", help="estimated training-step peak of every system vs its budget")
     p.add_argument("--system", help="only this system")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="whose kernels to estimate with (default cpu: what the calibration runs measure)")
     p.set_defaults(func=_budget)
     p = sub.add_parser("fit", help="largest batch (and whether checkpointing is needed) that fits a GPU")
     p.add_argument("--system", required=True)

@@ -69,7 +69,8 @@ def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch:
 
 def fit_system(system: str, gpu_gib: float, max_batch: int = 4096, variants: list[str] | None = None):
     """For every budgeted variant of `system` that can be rebuilt at other batch sizes: the largest batch
-    without checkpointing and, when checkpointing helps, with it."""
+    without checkpointing and, when checkpointing helps, with it; estimated for a CUDA run (its attention
+    kernels, autocast policy and allocator rounding: memfit.kernels), since the memory is a GPU's."""
     from memfit.system import load_system
 
     results = []
@@ -79,11 +80,11 @@ def fit_system(system: str, gpu_gib: float, max_batch: int = 4096, variants: lis
         if variants and entry.variant not in variants:
             continue
         for ckpt in (False, True):
-            b, gib, nxt, probes = largest_batch(
-                lambda bs, ckpt=ckpt, e=entry: estimate_training_step(e.make_step(bs, ckpt)).peak_bytes / GIB,
-                gpu_gib,
-                max_batch,
-            )
+
+            def peak_gib(bs: int, ckpt: bool = ckpt, e=entry) -> float:
+                return estimate_training_step(e.make_step(bs, ckpt), device="cuda").peak_bytes / GIB
+
+            b, gib, nxt, probes = largest_batch(peak_gib, gpu_gib, max_batch)
             results.append(FitResult(entry.variant, ckpt, b, gib, nxt, probes))
     return results
 
@@ -101,7 +102,7 @@ def nothing_fits(system: str, gpu_gib: float, results: list[FitResult]) -> str |
 
 
 def format_fit(system: str, gpu_gib: float, results: list[FitResult]) -> str:
-    lines = [f"{system}: largest batch whose estimated training-step peak fits {gpu_gib:g} GiB"]
+    lines = [f"{system}: the largest batch whose training step (estimated for CUDA) fits {gpu_gib:g} GiB"]
     lines.append(f"{'variant':<14} {'checkpointing':<13} {'batch':>6} {'peak GiB':>9} {'next GiB':>9}")
     for r in results:
         nxt = "-" if r.next_gib is None else f"{r.next_gib:.2f}"

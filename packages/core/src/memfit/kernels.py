@@ -201,8 +201,35 @@ class CudaRules(TorchFunctionMode):
 
 @contextlib.contextmanager
 def cuda_rules() -> Iterator[None]:
-    with CudaRules():
-        yield
+    """CudaRules for the whole step, activation checkpointing's recompute included: PyTorch runs that
+    recompute inside backward, where a TorchFunctionMode is not seen, so non-reentrant checkpoint calls
+    get a context_fn that enters the rules around it (the saved and recomputed tensors then agree)."""
+    real = torch.utils.checkpoint.checkpoint
+
+    def checkpoint(function, *args, use_reentrant=None, context_fn=None, **kwargs):
+        if use_reentrant is not False:  # the reentrant variant recomputes in an autograd Function's backward
+            return real(function, *args, use_reentrant=use_reentrant, context_fn=context_fn or
+                        torch.utils.checkpoint.noop_context_fn, **kwargs)  # fmt: skip
+        inner = context_fn or torch.utils.checkpoint.noop_context_fn
+
+        def with_rules():
+            forward, recompute = inner()
+
+            @contextlib.contextmanager
+            def recompute_with_rules() -> Iterator[None]:
+                with recompute, CudaRules():
+                    yield
+
+            return forward, recompute_with_rules()
+
+        return real(function, *args, use_reentrant=False, context_fn=with_rules, **kwargs)
+
+    torch.utils.checkpoint.checkpoint = checkpoint
+    try:
+        with CudaRules():
+            yield
+    finally:
+        torch.utils.checkpoint.checkpoint = real
 
 
 # ----------------------------------------------------------------------------------------------------

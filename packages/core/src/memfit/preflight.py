@@ -100,7 +100,8 @@ class Preflight:
 
 def _needs(make: MemoryStep, batch: int, checkpointing: bool, device: torch.device) -> int:
     """Bytes the process needs for a step: the estimated tensor peak times the device's OVERHEAD."""
-    tensors = estimate_training_step(make(batch, checkpointing)).peak_bytes
+    target = "cuda" if device.type == "cuda" else "cpu"  # the kernels (and allocator) the run will use
+    tensors = estimate_training_step(make(batch, checkpointing), device=target).peak_bytes
     return int(tensors * OVERHEAD.get(device.type, OVERHEAD["cuda"]))
 
 
