@@ -76,7 +76,7 @@ def available_bytes(device: torch.device) -> tuple[int | None, str]:
     found = {
         "available RAM": _meminfo_available(),
         "the cgroup's memory limit": _cgroup_available(),
-        "the address-space limit (ulimit -v)": _address_space_available(),
+        "the address-space limit, ulimit -v": _address_space_available(),
     }
     found = {k: v for k, v in found.items() if v is not None}
     if not found:
