@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
@@ -436,7 +437,7 @@ class TrainParser:
     def parse(self, argv: list[str] | None = None) -> TrainRun:
         """The run's settings: preset <- file <- flags (one line, exit 2, for anything bad). Also caps the
         thread pools at loop.threads, so data preparation runs on the same threads as training."""
-        from memfit.distributed import resolve_device
+        from memfit.distributed import dist_info, resolve_device
 
         if not self._loop_added:  # last, so --help lists a system's own flags first
             self._loop_flags()
@@ -481,6 +482,10 @@ class TrainParser:
         preset = (file or {}).get("preset") or (config if file is None else None) or self.default
         if preset == "auto":
             preset = (self.auto[0] if device.type == "cuda" else self.auto[1]) if self.auto else self.default
+            if dist_info().is_main:
+                where = "a GPU" if device.type == "cuda" else "no GPU"
+                note = f"[memfit] --config auto: {where}, so the {preset!r} preset (--config NAME: another)"
+                print(note, file=sys.stderr)
         if preset not in self.presets:
             choices = ", ".join(self.presets)
             raise UsageError(f"error: --config: unknown preset {preset!r}; choose one of {choices}")

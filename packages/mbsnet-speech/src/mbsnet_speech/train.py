@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"mbsnet-train: {run.preset} config, {count_params(model) / 1e6:.3f}M params, "
             f"batch {t.batch_size} x {t.seconds:g} s, lr {t.lr:g}, data: {source}, "
-            f"layer recompute {'on' if cfg.checkpoint else 'off'}, {torch.get_num_threads()} threads"
+            f"layer recompute {'on' if cfg.checkpoint else 'off'}, threads {torch.get_num_threads()}"
             + (f", budget {loop.max_minutes:g} min" if loop.max_minutes else ""),
             file=sys.stderr,
         )

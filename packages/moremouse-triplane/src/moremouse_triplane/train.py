@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"[mouse-train] preset {run.preset}: {n / 1e6:.2f}M params, {cfg.num_tokens} triplane tokens, "
             f"{R} rays x {S} samples per scene, batch {B}, lr {t.lr:g}, "
-            f"{torch.get_num_threads()} threads; validation on {t.val_scenes} held-out scenes every "
+            f"threads {torch.get_num_threads()}; validation on {t.val_scenes} held-out scenes every "
             f"{t.eval_every} steps; runs in {trainer.run_dir}"
         )
     return trainer.fit()
