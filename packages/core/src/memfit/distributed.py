@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -26,6 +27,11 @@ def resolve_device(name: str = "auto") -> torch.device:
         if device.index is None:
             device = torch.device("cuda", dist_info().local_rank)
     return device
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @dataclass
@@ -54,6 +60,9 @@ def init_distributed(device: torch.device) -> DistInfo:
     if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
+        # torn down before the interpreter exits: a group left to die with the process can abort it
+        # ("terminate called without an active exception" from a gloo thread, seen under load)
+        atexit.register(_destroy_process_group)
         if device.type == "cuda":
             torch.cuda.set_device(device)
     return info
