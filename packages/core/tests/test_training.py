@@ -168,6 +168,7 @@ DDP_SCRIPT = textwrap.dedent(
     from memfit.distributed import dist_info
     from memfit.loop import Trainer
     from memfit.settings import LoopConfig
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     sys.path.insert(0, {testdir!r})
     from test_training import make_batch
 
@@ -175,13 +176,23 @@ DDP_SCRIPT = textwrap.dedent(
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    cfg = LoopConfig(steps=5, amp="none", progress=False, grad_clip=0, device="cpu")
-    get = lambda s, m: make_batch(s, m, batch=32, rank=info.rank, world=info.world_size)
+    cfg = LoopConfig(steps={steps}, amp="none", progress=False, grad_clip=0, device="cpu",
+                     grad_accum={accum}, compile={compile})
+    get = lambda s, m: make_batch(s, m, batch=32 // {accum}, rank=info.rank, world=info.world_size)
     loss = lambda m, b: (m(b[0]).squeeze(-1) - b[1]).pow(2).mean()
     t = Trainer(model, opt, loss, get, cfg, run_dir={run_dir!r})
+    reduces = [0]
+
+    def count(state, bucket):  # every gradient all-reduce DDP starts
+        reduces[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    if t.ddp is not None:
+        t.ddp.register_comm_hook(None, count)
     t.fit()
     if info.rank == 0:
-        torch.save([p.detach() for p in t.raw_model.parameters()], {out!r})
+        params = [p.detach() for p in t.raw_model.parameters()]
+        torch.save({{"params": params, "reduces": reduces[0]}}, {out!r})
     """
 )
 
@@ -192,12 +203,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _run_ddp(tmp_path, nproc):
-    out = tmp_path / f"w{nproc}.pt"
-    script = tmp_path / f"ddp{nproc}.py"
+def _run_ddp(tmp_path, nproc, steps=5, accum=1, compile=False):
+    name = f"{nproc}-{accum}-{compile}"
+    out = tmp_path / f"w{name}.pt"
+    script = tmp_path / f"ddp{name}.py"
     script.write_text(
         DDP_SCRIPT.format(
-            testdir=os.path.dirname(__file__), run_dir=str(tmp_path / f"r{nproc}"), out=str(out)
+            testdir=os.path.dirname(__file__), run_dir=str(tmp_path / f"r{name}"), out=str(out), steps=steps,
+            accum=accum, compile=compile,
         )
     )
     cmd = [
@@ -210,7 +223,7 @@ def _run_ddp(tmp_path, nproc):
         str(script),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out)
 
@@ -218,8 +231,16 @@ def _run_ddp(tmp_path, nproc):
 def test_ddp_two_processes_equal_one_process_with_double_batch(tmp_path):
     """torchrun, gloo, 2 ranks x 16 samples == 1 rank x 32 samples (DDP averages the gradients)."""
     two, one = _run_ddp(tmp_path, 2), _run_ddp(tmp_path, 1)
-    for a, b in zip(two, one):
+    assert two["reduces"] == 5  # one all-reduce per optimizer step (one bucket for this model)
+    for a, b in zip(two["params"], one["params"]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_compiled_ddp_accumulates_without_syncing_every_micro_batch(tmp_path):
+    """--compile --grad_accum 2 under torchrun: torch.compile wraps the DDP model, and the micro-batches
+    before the last still skip DDP's all-reduce (ddp.no_sync on the wrapped module): one per step."""
+    out = _run_ddp(tmp_path, 2, steps=3, accum=2, compile=True)
+    assert out["reduces"] == 3
 
 
 def test_warmup_cosine_matches_nanogpt_get_lr():
