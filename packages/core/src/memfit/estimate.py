@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import sys
 import types
 from collections.abc import Callable
@@ -242,8 +243,8 @@ def estimate(
 ) -> EstimateResult:
     """Trace `target` and add what was asked: what-ifs, the scaling over `scale` (a knob; with what-ifs
     the batch by default), the per-rank peak (ranks > 1) and the largest batch under `gpu_gib`."""
-    if gpu_gib is not None and gpu_gib <= 0:
-        raise UsageError(f"error: --gpu_gib must be positive, got {gpu_gib:g}")
+    if gpu_gib is not None and not (math.isfinite(gpu_gib) and gpu_gib > 0):
+        raise UsageError(f"error: --gpu_gib must be a positive number of GiB, got {gpu_gib:g}")
     if not 0 <= margin < 1:
         raise UsageError(f"error: --margin is a fraction in [0, 1), e.g. 0.1; got {margin:g}")
     if ranks < 1 or top < 1 or max_batch < 1:
