@@ -1,4 +1,4 @@
-"""The four systems' commands keep one contract (issue 12's faults, for every system):
+"""The four systems' commands keep one contract, for every system:
 
 aliases exit 0 after success; bad numbers, an existing run without --resume, an unwritable or missing
 output location and another system's checkpoint are one line on stderr and exit status 2.

@@ -5,7 +5,7 @@
     uv run python tools/bench_gpt2.py speed     # training-step time at nanoGPT's CPU config: our causal
                                                 # and window-16 models vs tools/nanogpt_ref.py (1 thread)
     OMP_NUM_THREADS=1 uv run python tools/bench_gpt2.py side-by-side [--seeds 0,1]
-                                                # issue 13's quality bar: nanoGPT-equivalent vs our causal
+                                                # the quality bar: nanoGPT-equivalent vs our causal
                                                 # vs our window-16 (T/4) model, same data, schedule and
                                                 # 200-batch evaluation; mean over seeds
     OMP_NUM_THREADS=1 uv run python tools/bench_gpt2.py quality [--data tinyshakespeare.txt]
@@ -159,7 +159,7 @@ def ours_val_loss(data: Path, runs_dir: str, model: str, seed: int) -> float:
 
 
 def side_by_side(data: Path, runs_dir: str, seeds: list[int]) -> dict:
-    """Issue 13's bar: mean val loss of our causal model <= nanoGPT-equivalent's + 0.01, and the window
+    """The quality bar: mean val loss of our causal model <= nanoGPT-equivalent's + 0.01, and the window
     model's (window 16 = T/4) <= our causal model's + 0.02 (one-sided: a better window model passes)."""
     import statistics
 

@@ -1,6 +1,6 @@
 """Selective scan training step (forward + backward of the scan alone): time and memory, CPU, fp32.
 
-    uv run python tools/bench_scan.py                  # the three sizes of issue 13, 1 thread
+    uv run python tools/bench_scan.py                  # the three reference sizes, 1 thread
     uv run python tools/bench_scan.py --with-ref       # also mamba_ssm's selective_scan_ref at every size
     uv run python tools/bench_scan.py --quick          # one small size, seconds
     uv run python tools/bench_scan.py --sizes 60x256x200x16 --threads 2 --repeat 7 --json scan.json
@@ -61,7 +61,7 @@ SIZES = [(60, 256, 200, 16), (1, 1536, 512, 16), (1, 1536, 2048, 16)]
 MBSNET_SIZES = [(48, 64, 161, 8), (644, 64, 12, 8)]  # CPU recipe: temporal, cross-band scans
 HEAD_DIM = 64
 REF_MAX_ELEMENTS = 4 * 2**20  # selective_scan_ref runs by default only up to this B*D*L*N (--quick)
-# issue 13's side-by-side, fp32 fwd+bwd, 1 thread (seconds / MiB), as measured there before this work
+# the reference sizes, fp32 fwd+bwd, 1 thread (seconds / MiB), as measured before the fused kernel
 ANCHORS = {
     (60, 256, 200, 16): "memfit 1.11 s/114 MiB, selective_scan_ref 66 s/1216 MiB, "
     "mamba.py pscan 9.0 s/2061 MiB, ssd_minimal 0.25 s/165 MiB",
@@ -203,7 +203,7 @@ def bench_size(size, args) -> list[dict]:
           f"memory {ours['mem_vs_ssd']:.2f}x (target <= 1)")  # fmt: skip
     print(f"  lane path / sequence path: time {ours['time_s'] / seq['time_s']:.2f}x "
           f"(sequence path {seq['time_s'] / ours['time_s']:.2f}x the lane path's time)")  # fmt: skip
-    print(f"  issue 13's anchors (before this work): {ANCHORS.get(size, '-')}")
+    print(f"  before the fused kernel: {ANCHORS.get(size, '-')}")
     return rows
 
 
@@ -215,18 +215,18 @@ def mbsnet_step(args, warmup=3) -> None:
     from mbsnet_speech.model import MBSNet
 
     recipe = SETTINGS["cpu"](torch.device("cpu"))
-    cfg, t = recipe.model, recipe.train
+    cfg, train = recipe.model, recipe.train
     torch.manual_seed(0)
     model = MBSNet(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr)
-    samples = int(t.seconds * cfg.sample_rate)
+    opt = torch.optim.AdamW(model.parameters(), lr=train.lr)
+    samples = int(train.seconds * cfg.sample_rate)
     g = torch.Generator().manual_seed(0)
-    batch = tuple(0.1 * torch.randn(t.batch_size, samples, generator=g) for _ in range(2))
+    batch = tuple(0.1 * torch.randn(train.batch_size, samples, generator=g) for _ in range(2))
 
     def one(lane_path: bool) -> float:
         ssm.LANE_PATH = lane_path
         t = time.perf_counter()
-        enhancement_loss(model, batch, t.loss)[0].backward()
+        enhancement_loss(model, batch, train.loss)[0].backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         ssm.LANE_PATH = True
@@ -240,7 +240,7 @@ def mbsnet_step(args, warmup=3) -> None:
                 times[lane_path].append(t)
     lane, seq = statistics.median(times[True]), statistics.median(times[False])
     print(
-        f"MBS-Net CPU recipe training step (batch {t.batch_size} x {samples} samples, "
+        f"MBS-Net CPU recipe training step (batch {train.batch_size} x {samples} samples, "
         f"{torch.get_num_threads()} thread(s), median of {args.repeat} alternated after {warmup} warm-up)"
     )
     print(f"  scan lane path     {lane:.3f} s/step")
@@ -256,7 +256,7 @@ def parse_size(text: str) -> tuple[int, int, int, int]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sizes", help="comma-separated BxDxLxN (default: the three of issue 13)")
+    p.add_argument("--sizes", help="comma-separated BxDxLxN (default: the three reference sizes)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--with-ref", action="store_true", help="selective_scan_ref at every size (minutes)")

@@ -355,7 +355,7 @@ def test_cli_estimate_trainstep_file_with_a_batch_knob(tmp_path, capsys):
             """
         )
     )
-    code, out, err = _run(capsys, f"{f}:step", "--gpu-gib", "0.05", "--margin", "0.2")
+    code, out, err = _run(capsys, f"{f}:step", "--gpu_gib", "0.05", "--margin", "0.2")
     assert code == 0, err
     assert "Largest batch that fits a 0.05 GiB GPU (20% allocator margin" in out
 
@@ -373,8 +373,8 @@ BAD = [
     (["{wav}:step"], "is not a Python file"),
     (["{f}:good", "--input", "2xq"], "is not a shape"),
     (["{f}:good"], "returns a module: give its input shape"),
-    (["{f}:good", "--input", "2x8", "--gpu-gib", "-1"], "--gpu_gib must be positive"),
-    (["{f}:good", "--input", "2x8", "--gpu-gib", "1e-9"], "nothing fits"),
+    (["{f}:good", "--input", "2x8", "--gpu_gib", "-1"], "--gpu_gib must be a positive number of GiB"),
+    (["{f}:good", "--input", "2x8", "--gpu_gib", "1e-9"], "nothing fits"),
     (["{f}:good", "--input", "2x8", "--scale", "tokens"], "not a knob of this target"),
 ]
 

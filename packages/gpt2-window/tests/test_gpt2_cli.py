@@ -150,12 +150,12 @@ def test_console_entry_point_returns_none(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason=f"{SHAKESPEARE} not present (shared test data)")
 def test_nanogpt_cpu_char_model_side_by_side_with_nanogpt_equivalent(tmp_path):
-    """nanoGPT's README CPU run (4x4x128, block 64, batch 12, 2000 iterations), judged side by side (issue
-    13): our causal model's val loss (200 batches, mean of 2 seeds) <= an independent nanoGPT-equivalent's
+    """nanoGPT's README CPU run (4x4x128, block 64, batch 12, 2000 iterations), judged side by side: our
+    causal model's val loss (200 batches, mean of 2 seeds) <= an independent nanoGPT-equivalent's
     (tools/nanogpt_ref.py, same data, schedule and evaluation) + 0.01, and the window-16 (T/4) model's
-    <= our causal one's + 0.02. One-sided (the lead's decision on issue 13): the window model may be
-    *better* (it scored 0.044 below causal on 2026-11-22), and that is not a leak: on trained weights its
-    eval loss equals the dense masked reference's and no logit sees a later token
+    <= our causal one's + 0.02. One-sided: the window model may be *better* (it scored 0.044 below causal
+    on 2026-11-22), and that is not a leak: on trained weights its eval loss equals the dense masked
+    reference's and no logit sees a later token
     (test_gpt2_model.py::test_trained_window_model_eval_loss_equals_dense_reference_and_sees_no_future).
     (nanoGPT's README 1.88 is one 20-batch reading; tens of minutes.)"""
     sys.path.insert(0, str(REPO / "tools"))

@@ -156,7 +156,7 @@ def test_generate_extends_past_the_context_and_respects_vocab_limit():
 
 
 def test_trained_window_model_eval_loss_equals_dense_reference_and_sees_no_future():
-    """The window-16 model scored 0.044 *below* causal in the side-by-side run (issue 13), so the slow
+    """The window-16 model scored 0.044 *below* causal in the side-by-side run (2026-11-22), so the slow
     test now accepts a window model that is better. This rules out a leak behind that gain, on trained
     weights and through the evaluation path (eval mode, no grad, gpt2_window.eval.estimate_loss): the
     fast path's val loss equals the dense masked-softmax reference's on the same weights, the window

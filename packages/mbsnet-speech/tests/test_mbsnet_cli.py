@@ -84,7 +84,7 @@ def test_validation_keeps_the_best_checkpoint_and_eval_uses_it(tmp_path, capsys)
     saved = torch.load(run / "best.pt", weights_only=True)
     assert saved["step"] == best["step"] == evals[-1]["best_step"]
     capsys.readouterr()
-    eval.main(["--ckpt", str(run), "--pairs", "2", "--seconds", "1.5", "--out", str(tmp_path / "ev")])
+    eval.main(["--run", str(run), "--pairs", "2", "--seconds", "1.5", "--out", str(tmp_path / "ev")])
     out = capsys.readouterr().out
     assert (
         f"checkpoint: {run / 'best.pt'} (step {best['step']})" in out and "2 generated held-out pairs" in out
@@ -138,7 +138,7 @@ def test_eval_finds_noise_kinds_in_file_names():
 
 def test_eval_writes_table_csv_and_spectrogram(trained, tmp_path, capsys):
     run_dir, _ = trained
-    summary = eval.main(["--ckpt", str(run_dir), "--pairs", "2", "--seconds", "1.5", "--out", str(tmp_path)])
+    summary = eval.main(["--run", str(run_dir), "--pairs", "2", "--seconds", "1.5", "--out", str(tmp_path)])
     with open(tmp_path / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["file"] for r in rows] == ["heldout_000.wav", "heldout_001.wav"]
@@ -154,7 +154,7 @@ def test_pcs_follows_the_run_config_unless_a_flag_says_otherwise(trained, tmp_pa
 
     assert get_config("cpu").pcs and not get_config("default").pcs and not get_config("tiny").pcs
     run_dir, _ = trained
-    common = ["--ckpt", str(run_dir), "--pairs", "1", "--seconds", "1.0"]
+    common = ["--run", str(run_dir), "--pairs", "1", "--seconds", "1.0"]
     saved = eval.main([*common, "--out", str(tmp_path / "a")])  # the tiny run saved pcs off
     off = eval.main([*common, "--no-pcs", "--out", str(tmp_path / "b")])
     on = eval.main([*common, "--pcs", "--out", str(tmp_path / "c")])
@@ -166,13 +166,13 @@ def test_eval_on_folder_records_a_bad_file_and_goes_on(trained, tmp_path, make_v
     root = make_voicebank(tmp_path / "vb")
     sf.write(root / "clean_testset_wav" / "p001.wav", np.zeros(16000, np.float32), 16000)
     sf.write(root / "noisy_testset_wav" / "p001.wav", np.zeros(16000, np.float32), 16000)
-    summary = eval.main(["--ckpt", str(run_dir), "--data", str(root), "--out", str(tmp_path / "ev")])
+    summary = eval.main(["--run", str(run_dir), "--data", str(root), "--out", str(tmp_path / "ev")])
     with open(tmp_path / "ev" / "metrics.csv") as f:
         rows = {r["file"]: r for r in csv.DictReader(f)}
     assert "silent" in rows["p001.wav"]["error"] and rows["p000.wav"]["error"] == ""
     assert summary["n_ok"] == 2 and summary["n_failed"] == 1
     with pytest.raises(SystemExit, match="no checkpoint"):
-        eval.main(["--ckpt", str(tmp_path), "--pairs", "1"])
+        eval.main(["--run", str(tmp_path), "--pairs", "1"])
 
 
 def test_chunked_overlap_add_is_exact_for_identity_and_bounded():
@@ -200,7 +200,7 @@ def test_enhance_long_file_in_chunks(trained, tmp_path, speech):
             str(tmp_path / "in"),
             "--out",
             str(tmp_path / "out"),
-            "--ckpt",
+            "--run",
             str(run_dir),
             "--chunk_seconds",
             "2",
@@ -212,7 +212,7 @@ def test_enhance_long_file_in_chunks(trained, tmp_path, speech):
     y, sr = sf.read(tmp_path / "out" / "long.wav")
     assert sr == 16000 and len(y) == len(long) and np.isfinite(y).all() and np.abs(y).max() > 0
     with pytest.raises(SystemExit, match="does not exist"):
-        enhance.main([str(tmp_path / "nope.wav"), "--out", str(tmp_path), "--ckpt", str(run_dir)])
+        enhance.main([str(tmp_path / "nope.wav"), "--out", str(tmp_path), "--run", str(run_dir)])
 
 
 def test_noisy_phase_keeps_the_input_phase_and_trains_only_the_mask():

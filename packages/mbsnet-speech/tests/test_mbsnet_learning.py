@@ -36,7 +36,7 @@ def test_cpu_recipe_on_generated_pairs_improves_pesq_and_keeps_stoi(tmp_path):
         + ["--runs_dir", str(tmp_path), "--run_name", "gen"]
     )
     t_train = time.perf_counter() - t0
-    s = eval.main(["--ckpt", str(tmp_path / "mbsnet-speech" / "gen"), "--pairs", "12", "--seconds", "3"])
+    s = eval.main(["--run", str(tmp_path / "mbsnet-speech" / "gen"), "--pairs", "12", "--seconds", "3"])
     _report("generated", t_train, s)
     assert s["n_failed"] == 0
     assert s["delta/pesq_wb"] > 0 and s["delta/si_sdr"] > 0
@@ -45,7 +45,7 @@ def test_cpu_recipe_on_generated_pairs_improves_pesq_and_keeps_stoi(tmp_path):
 
 @pytest.mark.slow
 def test_cpu_recipe_on_speech_tts_reaches_the_goal(tmp_path):
-    """Issue 16's goal: `train --data speech-tts --max_minutes 20` (CPU recipe, 1 thread), then on the
+    """The corpus goal: `train --data speech-tts --max_minutes 20` (CPU recipe, 1 thread), then on the
     unseen test split: PESQ-wb +0.6 over noisy and every noise kind up, STOI +0.01, SI-SDR up, and
     +0.2 PESQ-wb over the classical Wiener baseline."""
     if not (SPEECH_TTS / "clean_train").is_dir():
@@ -58,7 +58,7 @@ def test_cpu_recipe_on_speech_tts_reaches_the_goal(tmp_path):
     t_train = time.perf_counter() - t0
     out = tmp_path / "eval"
     s = eval.main(
-        ["--ckpt", str(tmp_path / "mbsnet-speech" / "tts"), "--data", str(SPEECH_TTS), "--out", str(out)]
+        ["--run", str(tmp_path / "mbsnet-speech" / "tts"), "--data", str(SPEECH_TTS), "--out", str(out)]
     )
     _report("speech-tts test split", t_train, s)
     per_kind = json.loads((out / "metrics.json").read_text())["per_noise_kind"]

@@ -1,7 +1,9 @@
-"""`memfit budget`, and the `train` / `eval` dispatcher every system shares.
+"""memfit: a training step's memory estimated without a GPU, and the systems' train and eval.
 
-uv puts every workspace member's scripts in one venv ``bin/``, so two members that both declared ``train``
-would overwrite each other. Core owns ``train`` and ``eval`` alone and picks the system: ``--system S``,
+`memfit estimate / budget / fit / export / plot / systems / run`, `memfit train SYSTEM` and
+`memfit eval SYSTEM`; and the bare `train` / `eval` every system shares. uv puts every workspace
+member's scripts in one venv ``bin/``, so two members that both declared ``train`` would overwrite each
+other. Core owns ``train`` and ``eval`` alone and picks the system: ``--system S``,
 else the ``--package`` of the ``uv run`` that started us, else the only installed system, else an error
 that lists the choices.
 """
@@ -19,7 +21,7 @@ import torch
 from memfit import __version__
 from memfit.errors import UsageError, run_command
 from memfit.estimate import add_parser as estimate_parser
-from memfit.flags import Parser, check_numbers, hidden_alias
+from memfit.flags import Parser, check_numbers
 from memfit.system import BudgetEntry, available_systems, load_system
 
 # ----------------------------------------------------------------------------------------------------
@@ -280,10 +282,8 @@ def _main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("fit", help="largest batch (and whether checkpointing is needed) that fits a GPU")
     p.add_argument("--system", required=True)
     p.add_argument("--gpu_gib", type=float, help="GPU memory to fit, GiB (required)")
-    hidden_alias(p, "--gpu-gib", dest="gpu_gib", type=float)  # the old spelling
     p.add_argument("--variant", action="append", help="only these variants (repeatable)")
     p.add_argument("--max_batch", type=int, default=4096)
-    hidden_alias(p, "--max-batch", dest="max_batch", type=int)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_fit)
     estimate_parser(sub)

@@ -30,7 +30,6 @@ from torch import nn
 
 from memfit import explain
 from memfit.errors import UsageError, run_command
-from memfit.flags import hidden_alias
 from memfit.memory import GIB
 from memfit.trace import (  # noqa: F401 - re-exported: the names `memfit.estimate` has always had
     BORN,
@@ -394,12 +393,10 @@ def add_parser(sub) -> None:
     p.add_argument("--explain", action="store_true", help="what-ifs: SDPA, bf16, checkpointing, half batch")
     p.add_argument("--scale", help="fit the activation exponent over 1x-4x of: batch, input:AXIS, or a knob")
     p.add_argument("--gpu_gib", type=float, help="largest batch that fits a GPU of this many GiB")
-    hidden_alias(p, "--gpu-gib", dest="gpu_gib", type=float)  # the old spelling
     p.add_argument("--margin", type=float, default=0.1, help="allocator margin for --gpu_gib (0.1 = 10%%)")
     p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks: the per-rank peak (and fit)")
     p.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="how ranks hold the state")
     p.add_argument("--max_batch", type=int, default=4096)
-    hidden_alias(p, "--max-batch", dest="max_batch", type=int)
     p.add_argument("--json", action="store_true", help="everything as one JSON object")
     p.set_defaults(func=main)
 

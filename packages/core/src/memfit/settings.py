@@ -339,7 +339,8 @@ class TrainParser:
         )
         g.add_argument("--resume", action="store_true", help="continue the run in the run folder")
         g.add_argument(
-            "--overwrite", action="store_true", help="replace the run already in the run folder (deletes it)"
+            "--overwrite", action="store_true",
+            help="start again in a folder that holds a run (the old one moves to <run_name>.old-<time>/)",
         )
         self._loop_added = False
 
@@ -390,7 +391,8 @@ class TrainParser:
         f(g, "--run_name", path="loop.run_name", help="run folder name, under runs_dir/<system>/")
         f(g, "--runs_dir", path="loop.runs_dir", help="where run folders live")
         f(g, "--device", path="loop.device", help="auto | cpu | cuda | cuda:N")
-        f(g, "--threads", path="loop.threads", type=int, help="CPU threads for torch (none: torch's choice)")
+        f(g, "--threads", path="loop.threads", type=int,
+          help="CPU threads of every pool (torch, BLAS); at most the CPU count (none: torch's choice)")
         f(g, "--ema", path="loop.ema", type=float,
           help="decay of a moving average of the weights that validation, best.pt and eval use (0 = off)")
         f(g, "--tensorboard", path="loop.tensorboard", action=argparse.BooleanOptionalAction,

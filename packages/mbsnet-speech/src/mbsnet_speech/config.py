@@ -118,12 +118,12 @@ def cpu_config(**overrides: Any) -> MBSNetConfig:
     enhancement), band log energy, bands growing 16x (fine below 1 kHz); ~0.22M parameters, trained on one
     thread in 20 minutes."""
     # Chosen by CPU-time-budget runs on 24 held-out train files (remixed pairs, 1 thread;
-    # tools/mbsnet_short_runs.py; README "mbsnet-speech on a CPU"), PESQ-wb / STOI change over noisy:
-    #   session 4, 6 CPU-min: 48 ch 2 layers causal +0.339 / -0.014; 64 ch 3 layers bidirectional
+    # tools/mbsnet_short_runs.py; docs/results.md), PESQ-wb / STOI change over noisy:
+    #   6 CPU-min: 48 ch 2 layers causal +0.339 / -0.014; 64 ch 3 layers bidirectional
     #     +0.277 / +0.004 (the larger one matched the others with half their steps and kept STOI)
-    #   session 5, 10 CPU-min: bands growing 4x +0.352 / +0.006, 16x +0.312 / +0.011 (with the STFT term);
+    #   10 CPU-min: bands growing 4x +0.352 / +0.006, 16x +0.312 / +0.011 (with the STFT term);
     #     30 bands (BSRNN's split) at 48 ch +0.228 / +0.003 (half the steps)
-    #   session 5, 18 CPU-min: 64 ch +0.525 / +0.024 (2,690 steps), 96 ch +0.449 / +0.015 (1,784 steps)
+    #   18 CPU-min: 64 ch +0.525 / +0.024 (2,690 steps), 96 ch +0.449 / +0.015 (1,784 steps)
     base = MBSNetConfig(
         num_bands=12,
         channels=64,

@@ -17,7 +17,7 @@ import soundfile as sf
 import torch
 from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import Parser, add_threads_arg, apply_threads, check_numbers, eval_out_dir, hidden_alias
+from memfit.flags import Parser, add_threads_arg, apply_threads, check_numbers, eval_out_dir
 from memfit.run_dir import resolve_run
 
 from mbsnet_speech.data import AUDIO_EXTS, SAMPLE_RATE, conversion_notes, read_wav, write_wav
@@ -105,7 +105,6 @@ def main(argv: list[str] | None = None) -> list[Path]:
         "--run", default=None, help="run name, run folder or .pt file (default runs/mbsnet-speech/run)"
     )
     p.add_argument("--runs_dir", default="runs", help="where train wrote its runs (default %(default)s)")
-    hidden_alias(p, "--ckpt", dest="run")  # the old spelling
     p.add_argument("--chunk_seconds", type=float, default=4.0)
     p.add_argument("--overlap_seconds", type=float, default=0.5)
     add_pcs_arg(p)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir, hidden_alias
+from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.run_dir import resolve_run
 
 from mbsnet_speech.classical import wiener_enhance
@@ -162,7 +162,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--limit", type=int, default=None, help="evaluate at most this many files from --data")
     add_pcs_arg(p)
     add_eval_args(p, "mbsnet-speech")
-    hidden_alias(p, "--ckpt", dest="run")  # the old spelling
     args = p.parse_args(argv)
     apply_threads(args)
     check_numbers(args, pairs=">=1", seconds=">0", limit=">=1")

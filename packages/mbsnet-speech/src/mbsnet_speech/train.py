@@ -1,4 +1,4 @@
-"""Train MBS-Net: `uv run mbsnet-train [--config default|seed|tiny] [--data VOICEBANK_ROOT] [--steps N]`.
+"""Train MBS-Net: `uv run memfit train mbsnet-speech [--config auto|cpu|default|seed|tiny] [--data ROOT]`.
 
 Without --data it trains on the embedded generator of speech-like noisy/clean pairs (offline).
 Losses (losses.py) as MP-SENet: compressed magnitude MSE, compressed complex MSE, anti-wrapping phase
