@@ -11,6 +11,8 @@ from memfit import config
 from memfit.config import check_fields
 from memfit.settings import LoopConfig, Settings
 
+from mbsnet_speech.augment import Augment
+
 SAMPLE_RATE = 16_000
 
 
@@ -176,6 +178,20 @@ class TrainConfig:
     clean: str | None = None  # a folder of clean speech to mix noise into on the fly
     noise: str | None = None  # noise files for `clean` (None: the built-in noises)
     snr: tuple[float, float] | None = None  # mix SNR range in dB (None: 0..20 generated, -5..15 otherwise)
+    data_share: float = 0.3  # with both data and clean: the share of mixes drawn from data's pairs
+    builtin_noise: float = 0.25  # with noise files: the share of mixes using a built-in noise kind instead
+    augment: Augment = field(default_factory=Augment)
+    # whole voices / noise recordings held out of training (names or one _-separated word of them,
+    # data.split_groups): validation chooses best.pt on val_*; test_* are kept for `eval` only
+    val_voices: tuple[str, ...] = ("ked", "pc", "nsh")
+    val_noises: tuple[str, ...] = ("lincity-ng-data", "bucklespring-data")
+    test_voices: tuple[str, ...] = ("krb", "lj", "ona")
+    test_noises: tuple[str, ...] = (
+        "minetest-data",
+        "wordwarvi-sound",
+        "extremetuxracer-data",
+        "heroes-sound-effects",
+    )
     batch_size: int = 6
     seconds: float = 2.0  # crop length
     lr: float = 5e-4
@@ -193,8 +209,8 @@ class TrainConfig:
             raise ValueError(f"seconds must be >= 0.025 (one STFT window), got {self.seconds:g}")
         if self.snr is not None and not (len(self.snr) == 2 and self.snr[0] <= self.snr[1]):
             raise ValueError(f"snr needs MIN <= MAX, got {' '.join(map(str, self.snr))}; swap them")
-        if self.data and self.clean:
-            raise ValueError("data and clean both given; pass pairs (--data) or clean speech (--clean)")
+        if not 0 <= self.data_share <= 1 or not 0 <= self.builtin_noise <= 1:
+            raise ValueError("data_share and builtin_noise are shares; give 0..1")
 
 
 def _paper(name: str):
@@ -223,6 +239,7 @@ def _cpu(device) -> Settings:
         # time-frequency cells that PESQ punishes and the compressed-magnitude MSE barely sees)
         loss=LossWeights(pha=0.0, sisdr=0.02, stft=0.1),
         eval_every=300,
+        val_files=12,
     )
     # one thread: this model's ops are small, and on a 2-core machine with anything else running, two
     # threads made a step about 8x slower (each parallel region waits for the descheduled thread). No

@@ -17,7 +17,9 @@ stream) are never seen in training.
 from __future__ import annotations
 
 import functools
+import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,9 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 import torch
+
+from mbsnet_speech import augment
+from mbsnet_speech.augment import Augment
 
 SAMPLE_RATE = 16_000
 MIN_SAMPLES = 400  # one STFT window at 16 kHz; shorter clips carry no frame
@@ -58,6 +63,37 @@ def read_wav(path: str | Path, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     if not np.all(np.isfinite(audio)):
         raise ValueError(f"{path} contains NaN or Inf samples")
     return np.ascontiguousarray(audio, dtype=np.float32)
+
+
+def read_blocks(
+    path: str | Path, seconds: float = 30.0, sample_rate: int = SAMPLE_RATE
+) -> Iterator[np.ndarray]:
+    """An audio file as consecutive float32 mono blocks at sample_rate, ~`seconds` each: what read_wav
+    returns, without holding the file. Each block is resampled with 50 ms of its neighbours around it (cut
+    off after), so block edges leave no mark. ValueError names the file on unreadable or non-finite audio."""
+    path = Path(path)
+    try:
+        f = sf.SoundFile(str(path))
+    except (sf.LibsndfileError, RuntimeError, TypeError) as e:
+        raise ValueError(f"cannot read {path} as audio ({e}); is it a valid wav file?") from e
+    with f:
+        sr, total = f.samplerate, f.frames
+        block, ctx = max(1, int(seconds * sr)), int(0.05 * sr) if sr != sample_rate else 0
+        for pos in range(0, total, block):
+            start, stop = max(0, pos - ctx), min(total, pos + block + ctx)
+            f.seek(start)
+            x = f.read(stop - start, dtype="float32", always_2d=True).mean(axis=1)
+            if not np.all(np.isfinite(x)):
+                raise ValueError(f"{path} contains NaN or Inf samples")
+            if sr != sample_rate:
+                import torchaudio.functional as AF
+
+                y = AF.resample(torch.from_numpy(np.ascontiguousarray(x)), sr, sample_rate).numpy()
+                first = round(pos * sample_rate / sr)
+                left = first - round(start * sample_rate / sr)
+                count = round(min(pos + block, total) * sample_rate / sr) - first
+                x = y[left : left + count]
+            yield np.ascontiguousarray(x, dtype=np.float32)
 
 
 def conversion_notes(info: Any) -> list[str]:
@@ -365,11 +401,12 @@ def _check_snr(snr: tuple[float, float]) -> None:
 
 @dataclass
 class MixSource:
-    """Clean utterances mixed with noise files (or the built-in kinds) at SNRs in snr (dB)."""
+    """Clean utterances mixed with noise files and/or the built-in kinds at SNRs in snr (dB)."""
 
     clean: list[Path]
     noise: list[Path] | None = None  # None: the built-in kinds, MIX_NOISE_KINDS
     snr: tuple[float, float] = MIX_SNR
+    builtin: float = 0.0  # with noise files: the share of mixes that take a built-in kind instead
 
     def __post_init__(self) -> None:
         _check_snr(self.snr)
@@ -378,7 +415,7 @@ class MixSource:
         return _load_cached(str(self.clean[int(rng.integers(len(self.clean)))]))
 
     def noise_clip(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        if self.noise:
+        if self.noise and not rng.random() < self.builtin:
             return _crop_or_tile(_load_cached(str(self.noise[int(rng.integers(len(self.noise)))])), n, rng)
         return make_noise(MIX_NOISE_KINDS[int(rng.integers(len(MIX_NOISE_KINDS)))], n, rng)
 
@@ -411,22 +448,159 @@ def _crop_or_tile(x: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray
     return np.resize(np.roll(x, int(rng.integers(len(x)))), n)
 
 
+@dataclass
+class Sources:
+    """Several mix sources, each mix drawn from one of them with the given weights (e.g. a corpus's
+    remixed pairs and other voices with recorded noise)."""
+
+    sources: list
+    weights: list[float]
+
+    def __post_init__(self) -> None:
+        if len(self.sources) != len(self.weights) or not self.sources or min(self.weights) < 0:
+            raise ValueError("Sources needs one non-negative weight per source")
+        total = sum(self.weights)
+        self.p = np.asarray(self.weights, np.float64) / total
+
+    def pick(self, rng: np.random.Generator):
+        return self.sources[int(rng.choice(len(self.sources), p=self.p))]
+
+
 def mix_batch(
-    src: MixSource | PairRemix, batch: int, crop: int, rng: np.random.Generator
+    src: MixSource | PairRemix | Sources,
+    batch: int,
+    crop: int,
+    rng: np.random.Generator,
+    aug: Augment | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(noisy, clean, snr_db) float32 (batch, crop), (batch,): a random crop of a random clean clip
     (zero-padded when shorter) plus a noise clip at a random SNR over the crop, both scaled by one random
-    gain (peak of the mix 0.1..0.9, so nothing clips and the realised SNR is the requested one)."""
+    gain (peak of the mix 0.1..0.9, so nothing clips and the realised SNR is the requested one).
+
+    With `aug` the clean speech is first sped up or slowed down, coloured and put in a room, speech and
+    noise may be low-passed together, and the mix may be quiet or clipped (augment.py); the target is the
+    augmented speech and, unless clipped, noisy - clean is exactly the scaled noise."""
+    aug = aug or Augment()
     noisy = np.zeros((batch, crop), np.float32)
     clean = np.zeros((batch, crop), np.float32)
-    snrs = rng.uniform(*src.snr, size=batch).astype(np.float32)
+    snrs = np.zeros(batch, np.float32)
     for b in range(batch):
-        c = src.clean_clip(rng)
+        s = src.pick(rng) if isinstance(src, Sources) else src
+        snrs[b] = rng.uniform(*s.snr)
+        c = s.clean_clip(rng)
+        if rng.random() < aug.speed:
+            c = augment.speed(c, rng)
         if len(c) > crop:
-            s = int(rng.integers(len(c) - crop + 1))
-            c = c[s : s + crop]
+            start = int(rng.integers(len(c) - crop + 1))
+            c = c[start : start + crop]
         c = np.pad(c, (0, crop - len(c)))
-        y = mix(c, src.noise_clip(crop, rng), float(snrs[b]))
-        gain = rng.uniform(0.1, 0.9) / (np.max(np.abs(y)) + 1e-8)
-        noisy[b], clean[b] = y * gain, c * gain
+        if rng.random() < aug.eq:
+            c = augment.eq(c, rng)
+        if rng.random() < aug.reverb:
+            c = augment.reverb(c, rng)
+        n = s.noise_clip(crop, rng)
+        if rng.random() < aug.bandlimit:
+            cutoff = rng.uniform(3400, 7000)
+            c = augment.bandlimit(c, rng, cutoff=cutoff)
+            n = augment.bandlimit(n, rng, cutoff=cutoff)
+        y = mix(c, n, float(snrs[b]))
+        peak = 10 ** rng.uniform(-2, -1) if rng.random() < aug.gain else rng.uniform(0.1, 0.9)
+        gain = peak / (np.max(np.abs(y)) + 1e-8)
+        y, c = y * gain, c * gain
+        if rng.random() < aug.clip:
+            y = augment.clip(y, rng)
+        noisy[b], clean[b] = y, c
     return noisy, clean, snrs
+
+
+# ----------------------------------------------------------------------------------------------------
+# Held-out groups: whole voices and whole noise recordings, never single files of a trained voice
+# ----------------------------------------------------------------------------------------------------
+
+
+def group_of(path: Path, root: Path) -> str:
+    """The voice (or noise recording set) a file belongs to: its sub-folder under root when it has one
+    (LibriSpeech/VCTK-style speaker folders), else its name without a trailing _NNN / -NNN number
+    ('ked_diphone_007.flac' -> 'ked_diphone', 'minetest-data_03.flac' -> 'minetest-data')."""
+    rel = path.relative_to(root)
+    if len(rel.parts) > 1:
+        return rel.parts[0]
+    return re.sub(r"[_-]\d+$", "", path.stem)
+
+
+def _matches(group: str, name: str) -> bool:
+    """A selector names a group whole or as one of its _-separated words ('nsh' -> 'msu_ru_nsh_clunits')."""
+    return name == group or name in group.split("_")
+
+
+def split_groups(
+    files: list[Path],
+    root: str | Path,
+    val: tuple[str, ...],
+    test: tuple[str, ...] = (),
+    auto: int = 3,
+) -> tuple[list[Path], list[Path], list[Path], list[str], list[str]]:
+    """(train, val, test files, val groups, test groups) with whole groups held out.
+
+    `val`/`test` name groups (see _matches); test groups are neither trained on nor validated on. When no
+    named validation group is present, `auto` groups (a fixed choice, at most a quarter of them) are held
+    out; with fewer than 4 groups nothing is held out by group (val and test empty)."""
+    root = Path(root)
+    groups = sorted({group_of(f, root) for f in files})
+    test_g = [g for g in groups if any(_matches(g, n) for n in test)]
+    rest = [g for g in groups if g not in test_g]
+    val_g = [g for g in rest if any(_matches(g, n) for n in val)]
+    if not val_g and auto and len(rest) >= 4:
+        perm = np.random.default_rng(4321).permutation(len(rest))
+        val_g = sorted(rest[int(i)] for i in perm[: min(auto, len(rest) // 4)])
+    train = [f for f in files if group_of(f, root) not in val_g + test_g]
+    v = [f for f in files if group_of(f, root) in val_g]
+    t = [f for f in files if group_of(f, root) in test_g]
+    return train, v, t, val_g, test_g
+
+
+def parse_names(spec: str) -> tuple[str, ...]:
+    """'ked,pc,nsh' -> ('ked', 'pc', 'nsh') (group names for split_groups); 'none' -> ()."""
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    return () if names == ("none",) else names
+
+
+VAL_SEED = 4321  # the held-out validation files and mixes do not depend on --seed
+HELDOUT_SNR = (0.0, 10.0)  # SNR range (dB) of the fixed held-out-voice mixes
+
+
+def heldout_mixes(
+    clean: list[Path],
+    noise: list[Path] | None,
+    count: int,
+    seed: int,
+    snr: tuple[float, float] = HELDOUT_SNR,
+    seconds: float | None = None,
+) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Fixed evaluation mixes [(name, noisy, clean)]: `count` utterances spread evenly over `clean` (whole
+    utterances, or `seconds`-long crops), each with a noise (a file of `noise`, in turn, or a built-in kind)
+    at an SNR in `snr`; the same mixes for the same arguments."""
+    if not clean or count < 1:
+        return []
+    if count > len(clean):  # fewer utterances than mixes (e.g. one recording): reuse them with other noises
+        idx = np.arange(count) % len(clean)
+    else:
+        idx = np.linspace(0, len(clean) - 1, count).round().astype(int)
+    out = []
+    for k, i in enumerate(idx):
+        rng = pair_rng(seed, k, 0, HELDOUT_STREAM)
+        c = read_wav(clean[int(i)])
+        n = len(c) if seconds is None else min(len(c), int(seconds * SAMPLE_RATE))
+        if noise:
+            path = noise[int(rng.integers(len(noise)))]
+            src = MixSource([clean[int(i)]], [path], snr)
+            label = group_of(path, path.parent)
+        else:
+            kind = MIX_NOISE_KINDS[k % len(MIX_NOISE_KINDS)]
+            src = MixSource([clean[int(i)]], None, snr)
+            src.noise_clip = lambda m, r, kind=kind: make_noise(kind, m, r)  # type: ignore[method-assign]
+            label = kind
+        noisy, cl, s = mix_batch(src, 1, n, rng)
+        name = f"{clean[int(i)].stem}_{label}_{float(s[0]):.0f}dB.wav"
+        out.append((name, noisy[0], cl[0]))
+    return out

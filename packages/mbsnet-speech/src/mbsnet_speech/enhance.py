@@ -1,15 +1,17 @@
 """Enhance wav files with a trained MBS-Net: `memfit run mbsnet-speech enhance IN --out DIR --run RUN`.
 
-IN is a wav file or a folder of them; long files are processed in chunks that overlap and are
-cross-faded, so memory stays bounded whatever the file length.
+IN is an audio file or a folder of them; files are read, enhanced and written in blocks (chunks that
+overlap and are cross-faded), so memory stays bounded whatever the file length. Without --run it uses
+the model shipped in the package (docs/speech.md says what it was trained on and what it scores).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +19,11 @@ import soundfile as sf
 import torch
 from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import Parser, add_threads_arg, apply_threads, check_numbers, eval_out_dir
+from memfit.flags import Parser, add_threads_arg, apply_threads, check_numbers
+from memfit.outputs import check_outputs
 from memfit.run_dir import resolve_run
 
-from mbsnet_speech.data import AUDIO_EXTS, SAMPLE_RATE, conversion_notes, read_wav, write_wav
+from mbsnet_speech.data import AUDIO_EXTS, MIN_SAMPLES, SAMPLE_RATE, conversion_notes, read_blocks
 from mbsnet_speech.model import MBSNet
 
 
@@ -41,48 +44,104 @@ def add_pcs_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def enhance_blocks(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    blocks: Iterable[np.ndarray],
+    chunk: int = 4 * SAMPLE_RATE,
+    overlap: int = SAMPLE_RATE // 2,
+    min_len: int = MIN_SAMPLES,
+) -> Iterator[np.ndarray]:
+    """Enhance a stream: consecutive pieces of a signal in (any sizes) -> consecutive pieces out, the same
+    samples in all. fn runs on (1, m) windows of at most `chunk` samples overlapping by `overlap`, cross-faded
+    with complementary fades (sin^2 + cos^2 = 1, so a fn that returns its input comes back exact). Memory
+    is one chunk plus one block, whatever the length of the stream."""
+    if overlap >= chunk:
+        raise ValueError(f"overlap ({overlap}) must be smaller than chunk ({chunk})")
+    step = chunk - overlap
+    fade_in = torch.sin(torch.linspace(0, torch.pi / 2, overlap)) ** 2
+
+    def run(piece: np.ndarray) -> torch.Tensor:
+        m = len(piece)
+        x = torch.from_numpy(np.ascontiguousarray(piece, dtype=np.float32))
+        if m < min_len:  # pad a short tail to one STFT window
+            x = torch.nn.functional.pad(x, (0, min_len - m))
+        return fn(x[None])[0, :m].float().cpu().clone()  # the fades below work in place
+
+    def blend(y: torch.Tensor, tail: torch.Tensor | None) -> torch.Tensor:
+        if tail is not None and overlap:  # fade in over the previous window's end, which fades out
+            y[:overlap] = y[:overlap] * fade_in + tail * (1 - fade_in)
+        return y
+
+    buf = np.zeros(0, np.float32)
+    tail = None
+    for block in blocks:
+        buf = np.concatenate([buf, np.asarray(block, np.float32)])
+        while len(buf) > chunk:  # more follows this window: all but its last `overlap` samples are final
+            y = blend(run(buf[:chunk]), tail)
+            yield y[:step].numpy()
+            tail = y[step:].clone()
+            buf = buf[step:]
+    if len(buf):
+        yield blend(run(buf), tail).numpy()
+
+
 def enhance_array(
     fn: Callable[[torch.Tensor], torch.Tensor],
     wav: np.ndarray,
     chunk: int = 4 * SAMPLE_RATE,
     overlap: int = SAMPLE_RATE // 2,
-    min_len: int = 400,
+    min_len: int = MIN_SAMPLES,
 ) -> np.ndarray:
-    """Run fn on (1, n) pieces of at most `chunk` samples overlapping by `overlap`, cross-fade; (n,) -> (n,).
+    """enhance_blocks on one array: (n,) -> (n,)."""
+    pieces = list(enhance_blocks(fn, [wav], chunk, overlap, min_len))
+    return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
-    The fades are complementary (sin^2 + cos^2 = 1), so a fn that returns its input comes back exact.
-    """
-    if overlap >= chunk:
-        raise ValueError(f"overlap ({overlap}) must be smaller than chunk ({chunk})")
-    n = len(wav)
-    x = torch.from_numpy(np.asarray(wav, dtype=np.float32))
 
-    def run(piece: torch.Tensor) -> torch.Tensor:
-        m = piece.shape[0]
-        if m < min_len:  # pad a short tail to one STFT window
-            piece = torch.nn.functional.pad(piece, (0, min_len - m))
-        return fn(piece[None])[0, :m].float().cpu().clone()  # fades below work in place
+def enhance_stream(
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    src: str | Path,
+    dst: str | Path,
+    chunk: int = 4 * SAMPLE_RATE,
+    overlap: int = SAMPLE_RATE // 2,
+) -> float:
+    """Enhance an audio file into a 16 kHz mono 16-bit wav, reading and writing in blocks (data.read_blocks),
+    so memory does not grow with the file's length; the seconds written. The output is written to a
+    temporary name and renamed at the end: an error leaves no half-written file."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    n = 0
+    try:
+        with sf.SoundFile(str(tmp), "w", SAMPLE_RATE, 1, subtype="PCM_16", format="WAV") as out:
+            for y in enhance_blocks(fn, read_blocks(src), chunk, overlap):
+                out.write(np.clip(y, -1.0, 1.0))
+                n += len(y)
+        if n == 0:
+            raise ValueError(f"{src} contains no samples")
+        os.replace(tmp, dst)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return n / SAMPLE_RATE
 
-    if n <= chunk:
-        return run(x).numpy()
-    out = torch.zeros(n)
-    step = chunk - overlap
-    fade_in = torch.sin(torch.linspace(0, torch.pi / 2, overlap)) ** 2
-    start = 0
-    while True:
-        end = min(start + chunk, n)
-        y = run(x[start:end])
-        if start > 0:  # fade in over the overlap with the previous piece, which fades out
-            y[:overlap] *= fade_in
-            out[start : start + overlap] *= 1 - fade_in
-            out[start : start + overlap] += y[:overlap]
-            out[start + overlap : end] = y[overlap:]
-        else:
-            out[start:end] = y
-        if end == n:
-            break
-        start += step
-    return out.numpy()
+
+def enhance_file(
+    src: str | Path,
+    dst: str | Path,
+    run: str | Path | None = None,
+    device: str = "cpu",
+    pcs: bool | None = None,
+) -> Path:
+    """Enhance one audio file (any rate, any channels) into a 16 kHz mono wav with a run's model, an
+    exported one, or (run None) the model shipped in the package; returns dst."""
+    model = load_model(shipped_model() if run is None else run, device, pcs=pcs)
+    check_outputs([dst], [src], overwrite=True)
+    enhance_stream(model_fn(model), src, dst)
+    return Path(dst)
+
+
+def shipped_model() -> Path:
+    """The folder of the model that comes with the package (memfit export format: weights and config)."""
+    return Path(__file__).parent / "pretrained"
 
 
 def model_fn(model: MBSNet) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -99,53 +158,78 @@ def model_fn(model: MBSNet) -> Callable[[torch.Tensor], torch.Tensor]:
 def main(argv: list[str] | None = None) -> list[Path]:
     """Enhance a wav or a folder of wavs; returns the written paths."""
     p = Parser(prog="memfit run mbsnet-speech enhance", description=__doc__.splitlines()[0])
-    p.add_argument("input", help="a .wav file or a folder of them")
-    p.add_argument("--out", required=True, help="output folder (same file names)")
+    p.add_argument("input", help="an audio file (.wav/.flac) or a folder of them")
+    p.add_argument("--out", required=True, help="output folder (same file names, 16 kHz mono wav)")
     p.add_argument(
-        "--run", default=None, help="run name, run folder or .pt file (default runs/mbsnet-speech/run)"
+        "--run",
+        default=None,
+        help="run name, run folder, .pt file or exported folder (default: the model shipped in the package, "
+        "or runs/mbsnet-speech/run when that exists)",
     )
     p.add_argument("--runs_dir", default="runs", help="where train wrote its runs (default %(default)s)")
     p.add_argument("--chunk_seconds", type=float, default=4.0)
     p.add_argument("--overlap_seconds", type=float, default=0.5)
+    p.add_argument("--overwrite", action="store_true", help="replace output files that exist")
     add_pcs_arg(p)
     p.add_argument("--device", default="auto")
     add_threads_arg(p)
     args = p.parse_args(argv)
     apply_threads(args)
     check_numbers(args, chunk_seconds=">0", overlap_seconds=">=0")
+    chunk, overlap = int(args.chunk_seconds * SAMPLE_RATE), int(args.overlap_seconds * SAMPLE_RATE)
+    if chunk < MIN_SAMPLES or overlap >= chunk:
+        raise UsageError("error: --chunk_seconds must be >= 0.025 and longer than --overlap_seconds")
     src = Path(args.input)
     if src.is_dir():
-        files = sorted(f for f in src.iterdir() if f.suffix.lower() in AUDIO_EXTS)
+        files = sorted(f for f in src.iterdir() if f.suffix.lower() in AUDIO_EXTS and f.is_file())
         if not files:
-            raise UsageError(f"error: no .wav files in {src}")
+            raise UsageError(f"error: no .wav or .flac files in {src}")
     elif src.exists():
         files = [src]
     else:
         raise UsageError(f"error: {src} does not exist")
+    out_dir = Path(args.out)
+    targets = [out_dir / (f.stem + ".wav") for f in files]
+    check_outputs(targets, [src, *files], overwrite=args.overwrite)
+    if len(set(targets)) < len(targets):
+        raise UsageError(f"error: {src} holds files that differ only in extension; they would share a name")
     notes = set()
     for f in files:
-        with contextlib.suppress(RuntimeError, sf.LibsndfileError):  # unreadable: read_wav says so below
+        with contextlib.suppress(RuntimeError, sf.LibsndfileError):  # unreadable: read_blocks says so below
             notes.update(conversion_notes(sf.info(str(f))))
     for n in sorted(notes):
         print(f"[mbsnet] {n} (the enhanced files are 16 kHz mono)", file=sys.stderr)
-    out_dir = eval_out_dir(args, src)
     try:
-        run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"error: cannot create --out {out_dir}: {e.strerror}") from None
+    default_run = Path(args.runs_dir) / "mbsnet-speech" / "run"
+    try:
+        if args.run is None and not default_run.exists():
+            run, what = shipped_model(), "the model shipped with mbsnet-speech"
+        else:
+            run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
+            what = str(run)
         model = load_model(run, resolve_device(args.device), pcs=args.pcs)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"error: {e}") from None
-    chunk, overlap = int(args.chunk_seconds * SAMPLE_RATE), int(args.overlap_seconds * SAMPLE_RATE)
+    print(f"model: {what}", file=sys.stderr)
     fn = model_fn(model)
-    written = []
-    for f in files:
+    written, failed = [], []
+    for f, dst in zip(files, targets):
         try:
-            wav = read_wav(f)
-            enhanced = enhance_array(fn, wav, chunk, overlap)
-        except ValueError as e:
-            raise UsageError(f"error: {f}: {e}") from None
-        write_wav(out_dir / f.name, enhanced)
-        written.append(out_dir / f.name)
-        print(f"{f} -> {out_dir / f.name} ({len(wav) / SAMPLE_RATE:.1f} s)")
+            seconds = enhance_stream(fn, f, dst, chunk, overlap)
+        except ValueError as e:  # one bad file of a folder: say so, go on with the others
+            print(f"error: {f}: {e}", file=sys.stderr)
+            failed.append(f)
+            continue
+        written.append(dst)
+        print(f"{f} -> {dst} ({seconds:.1f} s)")
+    if failed:
+        raise UsageError(
+            f"error: {len(failed)} of {len(files)} files could not be enhanced (above); "
+            f"{len(written)} written to {out_dir}"
+        )
     return written
 
 

@@ -1,7 +1,10 @@
 """Evaluate MBS-Net: PESQ (wb, nb), STOI and SI-SDR of noisy vs enhanced, a table, a CSV and a spectrogram.
 
-`uv run mbsnet-eval [--run RUN] [--data ROOT]`: pairs from a clean_*/noisy_* folder (the test split
-when there is one) or, by default, generated held-out pairs that no training batch contains.
+`uv run mbsnet-eval [--run RUN] [--data ROOT] [--clean DIR --noise DIR] [--speech FILE]`: each set
+beside the classical Wiener filter: pairs from a clean_*/noisy_* folder (the test split when there is
+one); voices the run never trained on mixed with noise recordings it never trained on (by default the
+run's own test groups, data.split_groups); a recording (--speech) mixed with those noises. Without any,
+what the run trained on (when it is here), else generated held-out pairs no training batch contains.
 """
 
 from __future__ import annotations
@@ -18,7 +21,19 @@ from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers, ev
 from memfit.run_dir import resolve_run
 
 from mbsnet_speech.classical import wiener_enhance
-from mbsnet_speech.data import MIX_NOISE_KINDS, SAMPLE_RATE, find_pairs, heldout_pairs
+from mbsnet_speech.data import (
+    HELDOUT_SNR,
+    MIN_SAMPLES,
+    MIX_NOISE_KINDS,
+    SAMPLE_RATE,
+    VAL_SEED,
+    audio_files,
+    find_pairs,
+    heldout_mixes,
+    heldout_pairs,
+    parse_names,
+    split_groups,
+)
 from mbsnet_speech.enhance import add_pcs_arg, enhance_array, model_fn
 from mbsnet_speech.metrics import PairResult, evaluate_pairs, pesq_score, si_sdr, stoi_score, summarise
 
@@ -89,14 +104,18 @@ def load_pairs(
     return out
 
 
-def write_csv(path: Path, results: list[PairResult]) -> None:
+def write_csv(path: Path, results: list[tuple[str, PairResult]]) -> None:
+    """One row per file of every set: [(set label, result)]."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["file", *(f"noisy_{m}" for m in METRICS), *(f"enhanced_{m}" for m in METRICS), "error"])
-        for r in results:
+        w.writerow(
+            ["set", "file", *(f"noisy_{m}" for m in METRICS), *(f"enhanced_{m}" for m in METRICS), "error"]
+        )
+        for label, r in results:
             w.writerow(
                 [
+                    label,
                     r.name,
                     *(r.noisy.get(m, "") for m in METRICS),
                     *(r.enhanced.get(m, "") for m in METRICS),
@@ -154,9 +173,41 @@ def spectrogram_png(
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Evaluate from the command line (argv None -> sys.argv[1:]); returns the summary."""
+    """Evaluate from the command line (argv None -> sys.argv[1:]); returns the first set's summary."""
     p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=None, help="clean_*/noisy_* root; default: generated held-out pairs")
+    p.add_argument("--data", default=None, help="clean_*/noisy_* root (its test split when it has one)")
+    p.add_argument("--clean", default=None, help="folder of clean speech: held-out voices mixed with noise")
+    p.add_argument(
+        "--noise", default=None, help="noise files for --clean and --speech (none: built-in noises)"
+    )
+    p.add_argument(
+        "--voices",
+        type=parse_names,
+        default=None,
+        metavar="A,B,...",
+        help="voices of --clean to score (default: the run's test voices, else its validation ones)",
+    )
+    p.add_argument(
+        "--noises",
+        type=parse_names,
+        default=None,
+        metavar="A,B,...",
+        help="noise recordings of --noise to use (default: the run's test noises, else validation)",
+    )
+    p.add_argument(
+        "--speech", default=None, help="a clean recording (or folder) mixed with the held-out noises"
+    )
+    p.add_argument(
+        "--mixes", type=int, default=24, help="mixes of held-out voices (and of --speech) to score"
+    )
+    p.add_argument(
+        "--snr",
+        type=float,
+        nargs=2,
+        default=HELDOUT_SNR,
+        metavar=("MIN", "MAX"),
+        help="SNR range in dB of those mixes (default 0 10)",
+    )
     p.add_argument("--pairs", type=int, default=16, help="generated pairs to evaluate")
     p.add_argument("--seconds", type=float, default=3.0, help="length of generated pairs")
     p.add_argument("--limit", type=int, default=None, help="evaluate at most this many files from --data")
@@ -164,24 +215,94 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     add_eval_args(p, "mbsnet-speech")
     args = p.parse_args(argv)
     apply_threads(args)
-    check_numbers(args, pairs=">=1", seconds=">0", limit=">=1")
+    check_numbers(args, pairs=">=1", seconds=">0", limit=">=1", mixes=">=1")
+    if args.seconds * SAMPLE_RATE < MIN_SAMPLES:
+        raise UsageError(f"error: --seconds {args.seconds:g} is shorter than one STFT frame; give >= 0.025")
+    if args.snr[0] > args.snr[1]:
+        raise UsageError(f"error: --snr needs MIN <= MAX, got {args.snr[0]:g} {args.snr[1]:g}; swap them")
     run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
-    out_dir = eval_out_dir(args, run, (args.data,))
+    out_dir = eval_out_dir(args, run, (args.data, args.clean, args.noise, args.speech))
     try:
         from mbsnet_speech.system import SYSTEM
 
         pcs = {} if args.pcs is None else {"pcs": args.pcs}
         model, state = SYSTEM.load_model(run, resolve_device(args.device), **pcs)
-        items = load_pairs(args.data, args.pairs, args.seconds, args.limit)
+        sets = eval_sets(args, (state.get("settings") or {}).get("train") or {})
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"error: {e}") from None
-    data_desc = (
-        f"{len(items)} generated held-out pairs"
-        if args.data is None
-        else f"{len(items)} pairs from {args.data} ({'test split' if _has_test(args.data) else 'all'})"
-    )
-    print(f"checkpoint: {state['path']} (step {state.get('step', '?')})\ndata: {data_desc}")
+    print(f"checkpoint: {state['path']} (step {state.get('step', '?')})")
     fn = model_fn(model)
+    reports = []
+    for label, items in sets:
+        print(f"\ndata: {label}")
+        reports.append(score_set(fn, label, items, out_dir, first=not reports))
+    write_csv(out_dir / "metrics.csv", [(r["data"], res) for r in reports for res in r.pop("_results")])
+    report = {"checkpoint": state["path"], "step": state.get("step"), **reports[0], "sets": reports}
+    (out_dir / "metrics.json").write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out_dir / 'metrics.csv'}, {out_dir / 'metrics.json'} and {out_dir / 'spectrogram.png'}")
+    return reports[0]["summary"]
+
+
+def eval_sets(args, trained: dict) -> list[tuple[str, list]]:
+    """[(label, [(name, noisy, clean)])]: the --data test split, held-out voices of --clean mixed with
+    held-out noises, --speech mixed with them; each defaults to what the run trained on (its config) when
+    that still exists here; generated held-out pairs when there is none of these."""
+    sets = []
+    explicit = args.data or args.clean or args.speech
+    data = args.data if explicit else _existing(trained.get("data"))
+    if data:
+        items = load_pairs(data, args.pairs, args.seconds, args.limit)
+        sets.append((f"{len(items)} pairs from {data} ({'test split' if _has_test(data) else 'all'})", items))
+    noise, noise_label = _heldout_noise(args, trained)
+    clean = args.clean if explicit else _existing(trained.get("clean"))
+    if clean:
+        voices = args.voices if args.voices is not None else tuple(trained.get("test_voices") or ())
+        files = audio_files(clean, "--clean")
+        _, val, test, val_g, test_g = split_groups(
+            files, clean, tuple(trained.get("val_voices") or ()), voices
+        )
+        chosen, groups = (test, test_g) if test else (val, val_g)
+        if not chosen:
+            raise ValueError(
+                f"no held-out voice in {clean}; name voices with --voices (e.g. --voices krb,lj)"
+            )
+        items = heldout_mixes(chosen, noise, args.mixes, VAL_SEED + 1, tuple(args.snr))
+        sets.append((f"{len(items)} mixes of held-out voices {', '.join(groups)} x {noise_label}", items))
+    if args.speech:
+        path = Path(args.speech)
+        files = audio_files(path, "--speech") if path.is_dir() else [path]
+        items = heldout_mixes(files, noise, args.mixes, VAL_SEED + 2, tuple(args.snr))
+        sets.append((f"{len(items)} mixes of {args.speech} x {noise_label}", items))
+    if not sets:
+        items = heldout_pairs(args.pairs, args.seconds)
+        sets.append((f"{len(items)} generated held-out pairs", items))
+    return sets
+
+
+def _existing(path: str | None) -> str | None:
+    return path if path and Path(path).exists() else None
+
+
+def _heldout_noise(args, trained: dict) -> tuple[list[Path] | None, str]:
+    """The noise files for held-out mixes: --noise's (or the run's) test recordings, else its validation
+    ones, else all of them; None (built-in kinds) without a noise folder."""
+    folder = args.noise or _existing(trained.get("noise"))
+    if not folder:
+        return None, "built-in noises"
+    files = audio_files(folder, "--noise")
+    names = args.noises if args.noises is not None else tuple(trained.get("test_noises") or ())
+    _, val, test, val_g, test_g = split_groups(
+        files, folder, tuple(trained.get("val_noises") or ()), names, 0
+    )
+    if test:
+        return test, f"held-out noises {', '.join(test_g)}"
+    if val:
+        return val, f"held-out noises {', '.join(val_g)}"
+    return files, f"noises of {folder}"
+
+
+def score_set(fn, label: str, items: list, out_dir: Path, first: bool) -> dict:
+    """Score the model and the Wiener filter on items, print the table; the set's report."""
     rows, classical_rows, enhanced = [], [], {}
     for name, noisy, clean in items:
         try:
@@ -205,27 +326,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     per_kind = group_means(results, classical)
     print(format_table(results, summary))
     print(format_baseline(summary, per_kind))
-    write_csv(out_dir / "metrics.csv", results)
-    report = {
-        "checkpoint": state["path"],
-        "step": state.get("step"),
-        "data": data_desc,
-        "summary": summary,
-        "per_noise_kind": per_kind,
-        "files": [
-            {
-                "file": r.name,
-                "noisy": r.noisy,
-                "enhanced": r.enhanced,
-                "classical": c.enhanced,
-                "error": r.error,
-            }
-            for r, c in zip(results, classical)
-        ],
-    }
-    (out_dir / "metrics.json").write_text(json.dumps(report, indent=1))
     ok = next((r for r in results if r.error is None), None)
-    if ok is not None:
+    if first and ok is not None:
         noisy, clean = next((n, c) for nm, n, c in items if nm == ok.name)
         spectrogram_png(
             out_dir / "spectrogram.png",
@@ -234,8 +336,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             clean,
             f"{ok.name}: PESQ-wb {ok.noisy['pesq_wb']:.2f} -> {ok.enhanced['pesq_wb']:.2f}",
         )
-    print(f"wrote {out_dir / 'metrics.csv'}, {out_dir / 'metrics.json'} and {out_dir / 'spectrogram.png'}")
-    return summary
+    files = [
+        {"file": r.name, "noisy": r.noisy, "enhanced": r.enhanced, "classical": c.enhanced, "error": r.error}
+        for r, c in zip(results, classical)
+    ]
+    return {
+        "data": label,
+        "summary": summary,
+        "per_noise_kind": per_kind,
+        "files": files,
+        "_results": results,
+    }
 
 
 def _has_test(root: str) -> bool:

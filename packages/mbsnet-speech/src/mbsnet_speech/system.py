@@ -101,12 +101,6 @@ def budget_entries() -> list[BudgetEntry]:
     ]
 
 
-
-
-
-
-
-
 SYSTEM = System(
     name="mbsnet-speech",
     summary="MBS-Net speech enhancement (band-split Mamba, explicit phase), ~2.6M params, scored by PESQ",

@@ -21,28 +21,31 @@ from memfit.loop import Trainer, WarmupCosine
 from memfit.memory import AMP_DTYPES, TrainStep
 from memfit.settings import TrainParser, TrainRun
 
+from mbsnet_speech.augment import Augment
 from mbsnet_speech.config import SETTINGS, LossWeights, TrainConfig
 from mbsnet_speech.data import (
-    HELDOUT_STREAM,
     MIX_SNR,
     SAMPLE_RATE,
+    VAL_SEED,
     MixSource,
     PairFolder,
     PairRemix,
+    Sources,
     audio_files,
     find_pairs,
     folder_batch,
+    heldout_mixes,
     heldout_pairs,
     mix_batch,
     pair_rng,
-    read_wav,
+    parse_names,
+    split_groups,
     synth_batch,
 )
 from mbsnet_speech.losses import enhancement_loss
 from mbsnet_speech.model import MBSNet, count_params
 
 SYSTEM_NAME = "mbsnet-speech"
-VAL_SEED = 4321  # the held-out validation files and mixes do not depend on --seed
 
 
 def training_step_loss(model: MBSNet, batch) -> torch.Tensor:
@@ -50,9 +53,9 @@ def training_step_loss(model: MBSNet, batch) -> torch.Tensor:
     return enhancement_loss(model, batch)[0]
 
 
-def parse_loss(spec: str) -> dict[str, float]:
-    """--loss 'mag=0.9,stft=0.5' -> {"mag": 0.9, "stft": 0.5} (the terms of LossWeights)."""
-    known = set(LossWeights.__dataclass_fields__)
+def parse_terms(cls, spec: str) -> dict[str, float]:
+    """'mag=0.9,stft=0.5' -> {"mag": 0.9, "stft": 0.5} for the fields of a dataclass of floats."""
+    known = set(cls.__dataclass_fields__)
     out = {}
     for item in spec.split(","):
         key, _, val = item.partition("=")
@@ -66,38 +69,146 @@ def parse_loss(spec: str) -> dict[str, float]:
     return out
 
 
+def parse_loss(spec: str) -> dict[str, float]:
+    """--loss 'mag=0.9,stft=0.5' -> {"mag": 0.9, "stft": 0.5} (the terms of LossWeights)."""
+    return parse_terms(LossWeights, spec)
+
+
+def parse_augment(spec: str) -> dict[str, float]:
+    """--augment 'speed=0.5,reverb=0.3' -> probabilities of the augmentations (augment.Augment)."""
+    return parse_terms(Augment, spec)
+
+
 def build_parser() -> TrainParser:
     Bool = argparse.BooleanOptionalAction
     p = TrainParser(SYSTEM_NAME, __doc__, SETTINGS, auto=("default", "cpu"))
     m = p.group("model")
-    p.flag(m, "--checkpointing", path="model.checkpoint", action=Bool,
-           help="recompute each encoder layer in backward (a GPU memory saving; slower on a CPU)")
+    p.flag(
+        m,
+        "--checkpointing",
+        path="model.checkpoint",
+        action=Bool,
+        help="recompute each encoder layer in backward (a GPU memory saving; slower on a CPU)",
+    )
     p.flag(m, "--layers", path="model.num_layers", type=int, help="encoder layers")
     p.flag(m, "--channels", path="model.channels", type=int, help="channel width")
-    p.flag(m, "--bidirectional", path="model.temporal_bidirectional", action=Bool,
-           help="bidirectional temporal Mamba (offline; not streamable)")
+    p.flag(
+        m,
+        "--bidirectional",
+        path="model.temporal_bidirectional",
+        action=Bool,
+        help="bidirectional temporal Mamba (offline; not streamable)",
+    )
     d = p.group("data")
-    p.flag(d, "--data", path="train.data",
-           help="VoiceBank+DEMAND-style root (clean_*/ noisy_*/); none: generated")
-    p.flag(d, "--remix", path="train.remix", action=Bool,
-           help="with --data: every step mix one pair's clean speech with another pair's noise (noisy - "
-           "clean) at a random SNR (--snr) and gain; --no-remix trains on the fixed pairs")
+    p.flag(
+        d,
+        "--data",
+        path="train.data",
+        help="VoiceBank+DEMAND-style root (clean_*/ noisy_*/); none: generated",
+    )
+    p.flag(
+        d,
+        "--remix",
+        path="train.remix",
+        action=Bool,
+        help="with --data: every step mix one pair's clean speech with another pair's noise (noisy - "
+        "clean) at a random SNR (--snr) and gain; --no-remix trains on the fixed pairs",
+    )
     p.flag(d, "--clean", path="train.clean", help="folder of clean speech to mix noise into on the fly")
     p.flag(d, "--noise", path="train.noise", help="folder of noise files for --clean (none: built-in noises)")
-    p.flag(d, "--snr", path="train.snr", type=float, nargs=2, metavar=("MIN", "MAX"),
-           help="SNR range in dB of the mixes (none: 0 20 generated, -5 15 for --clean and --data --remix)")
+    p.flag(
+        d,
+        "--snr",
+        path="train.snr",
+        type=float,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        help="SNR range in dB of the mixes (none: 0 20 generated, -5 15 for --clean and --data --remix)",
+    )
+    p.flag(
+        d,
+        "--data_share",
+        path="train.data_share",
+        type=float,
+        help="with --data and --clean: the share of mixes drawn from --data's pairs",
+    )
+    p.flag(
+        d,
+        "--builtin_noise",
+        path="train.builtin_noise",
+        type=float,
+        help="with --noise: the share of mixes with a built-in noise (white, pink, brown, babble, hum)",
+    )
+    p.flag(
+        d,
+        "--augment",
+        path="train.augment",
+        type=parse_augment,
+        expand=True,
+        metavar="NAME=P,...",
+        show_default=False,
+        help="augmentation probabilities over the preset's: speed, eq, reverb, gain, "
+        "clip, bandlimit (augment.py), e.g. reverb=0.3,eq=0.5",
+    )
+    p.flag(
+        d,
+        "--val_voices",
+        path="train.val_voices",
+        type=parse_names,
+        metavar="A,B,...",
+        help="voices of --clean held out to choose best.pt (a voice is a sub-folder, or a file name "
+        "without its _NNN; a word of it is enough); none: 3 chosen when these are absent",
+    )
+    p.flag(
+        d,
+        "--val_noises",
+        path="train.val_noises",
+        type=parse_names,
+        metavar="A,B,...",
+        help="noise recordings of --noise held out for validation, named as voices are",
+    )
+    p.flag(
+        d,
+        "--test_voices",
+        path="train.test_voices",
+        type=parse_names,
+        metavar="A,B,...",
+        help="voices neither trained on nor validated on, kept for eval",
+    )
+    p.flag(
+        d,
+        "--test_noises",
+        path="train.test_noises",
+        type=parse_names,
+        metavar="A,B,...",
+        help="noise recordings neither trained on nor validated on, kept for eval",
+    )
     p.flag(d, "--batch_size", path="train.batch_size", type=int, help="crops per step")
     p.flag(d, "--seconds", path="train.seconds", type=float, help="crop length in seconds")
     o = p.group("optimizer and validation")
     p.flag(o, "--lr", path="train.lr", type=float, help="peak learning rate")
     p.flag(o, "--weight_decay", path="train.weight_decay", type=float, help="AdamW weight decay")
     p.flag(o, "--warmup", path="train.warmup", type=int, help="warmup steps (none: min(50, steps // 10))")
-    p.flag(o, "--loss", path="train.loss", type=parse_loss, expand=True, metavar="TERM=W,...",
-           show_default=False, help="loss weights over the preset's, e.g. mag=0.9,stft=0.5 (losses.py)")
-    p.flag(o, "--noisy_phase", path="train.noisy_phase", action=Bool,
-           help="keep the noisy phase (phase head frozen)")
-    p.flag(o, "--eval_every", path="train.eval_every", type=int,
-           help="validate every N steps (0: at the end)")
+    p.flag(
+        o,
+        "--loss",
+        path="train.loss",
+        type=parse_loss,
+        expand=True,
+        metavar="TERM=W,...",
+        show_default=False,
+        help="loss weights over the preset's, e.g. mag=0.9,stft=0.5 (losses.py)",
+    )
+    p.flag(
+        o,
+        "--noisy_phase",
+        path="train.noisy_phase",
+        action=Bool,
+        help="keep the noisy phase (phase head frozen)",
+    )
+    p.flag(
+        o, "--eval_every", path="train.eval_every", type=int, help="validate every N steps (0: at the end)"
+    )
     p.flag(o, "--val_files", path="train.val_files", type=int, help="held-out files validated")
     return p
 
@@ -113,41 +224,67 @@ def _split_heldout(n: int, count: int) -> tuple[list[int], list[int]]:
 def build_data(t: TrainConfig, crop: int):
     """(get_arrays(rng) -> (noisy, clean), validation items [(name, noisy, clean)], description)."""
     n_val = max(0, t.val_files)
-    if t.data:
-        try:
-            pairs = find_pairs(t.data, split="train")
-        except FileNotFoundError:
-            pairs = find_pairs(t.data)
-        train_idx, val_idx = _split_heldout(len(pairs), n_val)
-        val = [(pairs.names[i], *pairs.load(i)[::-1]) for i in val_idx]
-        train = PairFolder(
-            pairs.root, [pairs.clean[i] for i in train_idx], [pairs.noisy[i] for i in train_idx]
-        )
-        desc = f"{len(train)} pairs from {t.data} (+{len(val)} held out for validation)"
-        if not t.remix:
-            return (lambda rng: folder_batch(train, t.batch_size, crop, rng)), val, desc
-        remix = PairRemix(train, tuple(t.snr) if t.snr else MIX_SNR)
-        desc += f", remixed: speech x noise of other pairs at {remix.snr[0]:g}..{remix.snr[1]:g} dB"
-        return (lambda rng: mix_batch(remix, t.batch_size, crop, rng)[:2]), val, desc
     if t.clean:
-        files = audio_files(t.clean, "--clean")
-        noise = audio_files(t.noise, "--noise") if t.noise else None
-        snr = tuple(t.snr) if t.snr else MIX_SNR
-        train_idx, val_idx = _split_heldout(len(files), n_val)
-        src = MixSource([files[i] for i in train_idx], noise, snr)
-        val = []
-        if val_idx:  # fixed validation mixes of the held-out utterances: same noise and SNR every time
-            rng = pair_rng(VAL_SEED, 0, 0, HELDOUT_STREAM)
-            for i in val_idx:
-                n = len(read_wav(files[i]))
-                noisy, cl, _ = mix_batch(MixSource([files[i]], noise, snr), 1, n, rng)
-                val.append((files[i].name, noisy[0], cl[0]))
-        kinds = f"{len(noise)} noise files" if noise else "built-in noises"
-        desc = f"{len(src.clean)} clean files from {t.clean} + {kinds} at {snr[0]:g}..{snr[1]:g} dB"
-        return (lambda rng: mix_batch(src, t.batch_size, crop, rng)[:2]), val, desc
+        return _mix_data(t, crop)
+    if t.data:
+        pairs, val = _pairs_and_val(t.data, n_val)
+        desc = f"{len(pairs)} pairs from {t.data} (+{len(val)} held out for validation)"
+        if not t.remix:
+            return (lambda rng: folder_batch(pairs, t.batch_size, crop, rng)), val, desc
+        remix = PairRemix(pairs, tuple(t.snr) if t.snr else MIX_SNR)
+        desc += f", remixed: speech x noise of other pairs at {remix.snr[0]:g}..{remix.snr[1]:g} dB"
+        return (lambda rng: mix_batch(remix, t.batch_size, crop, rng, t.augment)[:2]), val, desc
     snr = tuple(t.snr) if t.snr else (0.0, 20.0)
     val = heldout_pairs(n_val, seconds=3.0, seed=VAL_SEED)
     return (lambda rng: synth_batch(t.batch_size, crop, rng, snr_range=snr)), val, "generated pairs"
+
+
+def _pairs_and_val(root: str, n_val: int) -> tuple[PairFolder, list]:
+    """The training pairs of a clean_*/noisy_* root (its train split when it has one) less `n_val` files
+    held out for validation, and those [(name, noisy, clean)]."""
+    try:
+        pairs = find_pairs(root, split="train")
+    except FileNotFoundError:
+        pairs = find_pairs(root)
+    train_idx, val_idx = _split_heldout(len(pairs), n_val)
+    val = [(pairs.names[i], *pairs.load(i)[::-1]) for i in val_idx]
+    train = PairFolder(pairs.root, [pairs.clean[i] for i in train_idx], [pairs.noisy[i] for i in train_idx])
+    return train, val
+
+
+def _mix_data(t: TrainConfig, crop: int):
+    """--clean (and --noise, and --data): whole voices and noise recordings held out for validation."""
+    snr = tuple(t.snr) if t.snr else MIX_SNR
+    files = audio_files(t.clean, "--clean")
+    train_c, val_c, _, val_g, test_g = split_groups(files, t.clean, t.val_voices, t.test_voices)
+    held = f"voices held out: {', '.join(val_g)} (validation)" if val_g else ""
+    if not val_g:  # too few voices to hold whole ones out: single utterances, as with --data
+        train_idx, val_idx = _split_heldout(len(train_c), t.val_files)
+        train_c, val_c = [train_c[i] for i in train_idx], [train_c[i] for i in val_idx]
+        held = f"{len(val_c)} utterances held out (too few voices to hold whole ones out)"
+    if test_g:
+        held += f", {', '.join(test_g)} (test, never seen)"
+    noise = val_n = None
+    if t.noise:
+        all_noise = audio_files(t.noise, "--noise")
+        noise, val_n, _, nval_g, ntest_g = split_groups(all_noise, t.noise, t.val_noises, t.test_noises)
+        val_n = val_n or noise  # too few recordings to hold whole ones out: validate on trained ones
+        if nval_g:
+            held += f"; noises held out: {', '.join(nval_g)} (validation)"
+        if ntest_g:
+            held += f", {', '.join(ntest_g)} (test, never seen)"
+    src = MixSource(train_c, noise, snr, builtin=t.builtin_noise if noise else 1.0)
+    val = heldout_mixes(val_c, val_n, t.val_files, VAL_SEED)
+    kinds = f"{len(noise)} noise files + built-ins ({t.builtin_noise:g})" if noise else "built-in noises"
+    desc = f"{len(train_c)} clean files from {t.clean} + {kinds} at {snr[0]:g}..{snr[1]:g} dB"
+    sources = src
+    if t.data and t.data_share > 0:
+        pairs, _ = _pairs_and_val(t.data, 0)
+        sources = Sources([PairRemix(pairs, snr), src], [t.data_share, 1 - t.data_share])
+        desc += f"; {t.data_share:g} of mixes from {len(pairs)} remixed pairs of {t.data}"
+    on = [f"{k}={v:g}" for k, v in vars(t.augment).items() if v]
+    desc += f"; augment {','.join(on) or 'none'}; {held}"
+    return (lambda rng: mix_batch(sources, t.batch_size, crop, rng, t.augment)[:2]), val, desc
 
 
 def main(argv: list[str] | None = None) -> dict:
