@@ -143,7 +143,7 @@ class PairFolder:
         return c[:m], n[:m]
 
 
-@functools.lru_cache(maxsize=512)
+@functools.lru_cache(maxsize=4096)  # ~40 hours of 2-second clips at most
 def _load_cached(path: str) -> np.ndarray:
     return read_wav(path)
 
@@ -387,6 +387,13 @@ def audio_files(d: str | Path, what: str) -> list[Path]:
                 f"({MIN_SAMPLES} samples at 16 kHz); remove it"
             )
     return files
+
+
+def load_all(files: list[Path]) -> None:
+    """Read every file now (into the clip cache), so a bad one (NaN samples, unreadable) is one line naming
+    it before training starts rather than an error mid-run."""
+    for f in files:
+        _load_cached(str(f))
 
 
 # SNR range (dB) of on-the-fly mixes (--clean, and --data remixing): speech-tts's training range

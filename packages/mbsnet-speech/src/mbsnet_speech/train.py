@@ -36,6 +36,7 @@ from mbsnet_speech.data import (
     folder_batch,
     heldout_mixes,
     heldout_pairs,
+    load_all,
     mix_batch,
     pair_rng,
     parse_names,
@@ -273,6 +274,7 @@ def _mix_data(t: TrainConfig, crop: int):
             held += f"; noises held out: {', '.join(nval_g)} (validation)"
         if ntest_g:
             held += f", {', '.join(ntest_g)} (test, never seen)"
+    load_all(files + (all_noise if t.noise else []))
     src = MixSource(train_c, noise, snr, builtin=t.builtin_noise if noise else 1.0)
     val = heldout_mixes(val_c, val_n, t.val_files, VAL_SEED)
     kinds = f"{len(noise)} noise files + built-ins ({t.builtin_noise:g})" if noise else "built-in noises"
@@ -311,7 +313,10 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     def get_batch(step: int, micro: int):
-        noisy, clean = arrays(pair_rng(loop.seed, step, micro * 1000 + rank))
+        try:
+            noisy, clean = arrays(pair_rng(loop.seed, step, micro * 1000 + rank))
+        except ValueError as e:  # a file that passed the start-up checks but not a full read (NaN samples)
+            raise UsageError(f"error: {e}; fix or remove it (the last checkpoint is intact)") from None
         dev = trainer.device
         return torch.from_numpy(np.ascontiguousarray(noisy)).to(dev), torch.from_numpy(clean).to(dev)
 
