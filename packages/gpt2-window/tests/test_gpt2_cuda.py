@@ -11,10 +11,7 @@ from gpt2_window.model import GPT
 from gpt2_window.system import budget_entries
 from memfit.memory import measure_training_step
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = pytest.mark.cuda
 
 
 def test_window_model_matches_reference_on_cuda():
