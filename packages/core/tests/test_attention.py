@@ -12,8 +12,6 @@ from memfit.attention import attention, attention_ref, band_attention, force_bac
 from memfit.memory import fake_mode, measure_peak
 from torch.nn.attention.flex_attention import create_block_mask
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
 
 def _qkv(B, H, Lq, D, Lk=None, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -335,17 +333,19 @@ def test_mixed_dtypes_rejected():
 
 
 @pytest.mark.cuda
-@requires_cuda
 @pytest.mark.parametrize("L,w", [(257, 64), (1024, 128), (100, 200)])
 def test_flex_on_cuda_matches_reference(L, w):
+    from memfit import probes
+
     q, k, v = _qkv(2, 4, L, 64, device="cuda")
+    probes.reset()
     got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=w, backend="flex" if w < L else None), q, k, v)
+    assert probes.ran("attention") == {"flex" if w < L else "sdpa": 1}
     want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=w), q, k, v)
     _assert_close(got, want, atol=2e-4, rtol=1e-3)
 
 
 @pytest.mark.cuda
-@requires_cuda
 def test_band_on_cuda_matches_reference():
     q, k, v = _qkv(2, 4, 300, 32, device="cuda")
     got = _fwd_bwd(lambda q, k, v: band_attention(q, k, v, 50), q, k, v)
@@ -354,12 +354,16 @@ def test_band_on_cuda_matches_reference():
 
 
 @pytest.mark.cuda
-@requires_cuda
-@pytest.mark.skipif(not A.flash_available(), reason="flash-attn not installed")
 def test_flash_on_cuda_matches_reference():
+    """flash-attn must be installed and pass its probe here (the GPU job installs the cuda extra)."""
+    from memfit import probes
+
+    assert A.flash_available(), "flash-attn does not import: install the cuda extra (README, GPU)"
     q, k, v = _qkv(2, 4, 513, 64, dtype=torch.bfloat16, device="cuda")
     assert A.select_backend(q, k, v, window=128) == "flash"
+    probes.reset()
     got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=128), q, k, v)
+    assert probes.ran("attention") == {"flash": 1}
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=128), q32, k32, v32)
     _assert_close(got, want, atol=3e-2, rtol=3e-2)

@@ -195,3 +195,33 @@ def test_trained_window_model_eval_loss_equals_dense_reference_and_sees_no_futur
         a, b = model(x, y)[0], model(x2, y)[0]
     torch.testing.assert_close(a[:, :40], b[:, :40], atol=1e-5, rtol=1e-5)
     assert (a[:, 40:] - b[:, 40:]).abs().max() > 1e-2  # the changed tokens do matter from 40 on
+
+
+def test_generate_on_cuda_runs_a_few_lengths_not_one_per_token(monkeypatch):
+    """On CUDA a windowed layer may take compiled FlexAttention, which compiles once per length: generate()
+    pads contexts to powers of two (>= 64, <= block_size). Faked here: CPU tensors taken for CUDA ones."""
+    import gpt2_window.model as gm
+    from memfit import probes
+
+    cfg = small(block_size=200, window=[16, None, 32])
+    torch.manual_seed(0)
+    model = GPT(cfg).eval()
+    x = torch.randint(0, 71, (2, 5))
+    plain = model.generate(x, 150, top_k=1)  # greedy: the same tokens whatever the padding
+    lengths = []
+    real = gm.attention
+
+    def spy(q, k, v, **kw):
+        lengths.append(q.shape[-2])
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(gm, "attention", spy)
+    monkeypatch.setattr(probes, "is_cuda", lambda t: True)
+    padded = model.generate(x, 150, top_k=1)
+    assert torch.equal(plain, padded)
+    assert sorted(set(lengths)) == [64, 128, 200]  # 150 steps from 5 tokens: 3 lengths, not 150
+    with torch.no_grad():  # the padded context's position T-1 gives the unpadded last logits
+        ctx = x[:, :3]
+        want, _ = model(ctx)
+        got = model.lm_head(model._features(torch.nn.functional.pad(ctx, (0, 61)))[:, 2])
+    torch.testing.assert_close(got, want[:, 0], atol=1e-5, rtol=1e-5)

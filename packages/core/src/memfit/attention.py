@@ -4,7 +4,8 @@
 ``scaled_dot_product_attention`` does, (batch, heads, L, head_dim), and ``window=w`` means a causal
 sliding window: query i sees keys i-w+1 .. i. Paths, in order:
 
-1. ``flash`` - flash-attn's ``flash_attn_func`` with ``window_size=(w-1, 0)`` (CUDA, fp16/bf16, installed).
+1. ``flash`` - flash-attn's ``flash_attn_func`` with ``window_size=(w-1, 0)``: CUDA, installed, its probe
+   passed, and the inputs meet its preconditions (sm80+, fp16/bf16, head dim <= 256; memfit.probes).
 2. ``sdpa`` - no window, or a window that covers the whole sequence (Lq <= w): ``is_causal``, never a
    dense mask. Cross-attention (Lq != Lk) without a window also lands here.
 3. ``flex`` - FlexAttention on CUDA with a block mask from ONE bounded LRU cache keyed by
@@ -34,6 +35,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+
+from memfit import probes
 
 BACKENDS = ("auto", "flash", "sdpa", "flex", "blocks", "band", "ref")
 
@@ -491,9 +494,9 @@ def select_backend(q, k, v, *, causal=False, window=None) -> str:
     L = q.shape[-2]
     if window is None or window >= L:
         return "sdpa"
-    if q.is_cuda and _flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
-        return "flash"
-    if q.is_cuda:
+    if probes.is_cuda(q) and probes.flash_ok(_flash_attn_func, q, k, v):
+        return "flash"  # installed, its probe passed, and these inputs meet its preconditions
+    if probes.is_cuda(q):
         return "flex"
     # CPU (tools/bench_attention.py --grid, README): SDPA on query blocks of max(w/2, 32) is 0.36-1.03x
     # causal SDPA's time from L 128 to 8192 wherever L < 16 w (at most 0.68x from L 1024), and one masked
@@ -515,12 +518,13 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
     if name == "auto":
         name = select_backend(q, k, v, causal=causal, window=window)
     if name == "ref":
+        probes.record("attention", "ref")
         return attention_ref(q, k, v, causal=causal, window=window, scale=scale)
     if window is None:
-        if name in ("band", "blocks", "flex", "flash"):
-            # These paths exist for windows; full attention is SDPA's job.
-            name = "sdpa"
+        # band, blocks, flex and flash exist for windows; full attention is SDPA's job.
+        probes.record("attention", "sdpa")
         return _sdpa(q, k, v, causal, scale)
+    probes.record("attention", name)
     if name == "sdpa":
         if q.shape[-2] > window:
             raise ValueError(
@@ -529,8 +533,13 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
             )
         return _sdpa(q, k, v, True, scale)
     if name == "flash":
-        if _flash_attn_func is None or not q.is_cuda:
+        if _flash_attn_func is None or not probes.is_cuda(q):
             raise ValueError("attention: backend='flash' needs flash-attn installed and CUDA tensors")
+        problem = probes.flash_problem(q, k, v)
+        if problem is None and not (res := probes.probe("flash_attn", _flash_attn_func, q.device)).ok:
+            problem = f"its probe failed: {res.detail}"
+        if problem is not None:
+            raise ValueError(f"attention: backend='flash' cannot run here: {problem}")
         # flash-attn's layout is (B, L, H, D).
         o = _flash_attn_func(
             q.transpose(1, 2),

@@ -1,6 +1,6 @@
 """memfit: a training step's memory estimated without a GPU, and the systems' train and eval.
 
-`memfit estimate / budget / fit / export / plot / systems / run`, `memfit train SYSTEM` and
+`memfit estimate / budget / fit / export / plot / systems / run / doctor`, `memfit train SYSTEM` and
 `memfit eval SYSTEM`; and the bare `train` / `eval` every system shares. uv puts every workspace
 member's scripts in one venv ``bin/``, so two members that both declared ``train`` would overwrite each
 other. Core owns ``train`` and ``eval`` alone and picks the system: ``--system S``,
@@ -263,6 +263,12 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from memfit import doctor
+
+    return doctor.run(require_cuda=args.require_cuda)
+
+
 def main(argv: list[str] | None = None) -> None:
     """The `memfit` command: SystemExit with status 0, or 2 with one line for bad input."""
     raise SystemExit(run_command("memfit", _main, argv))
@@ -276,8 +282,12 @@ def _main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("budget", help="estimated training-step peak of every system vs its budget")
     p.add_argument("--system", help="only this system")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="whose kernels to estimate with (default cpu: what the calibration runs measure)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="whose kernels to estimate with (default cpu: what the calibration runs measure)",
+    )
     p.set_defaults(func=_budget)
     p = sub.add_parser("fit", help="largest batch (and whether checkpointing is needed) that fits a GPU")
     p.add_argument("--system", required=True)
@@ -313,6 +323,12 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("run", help="a run folder")
     p.add_argument("--out", default=None, help="the PNG to write (default: <run>/curves.png)")
     p.set_defaults(func=_plot)
+    p = sub.add_parser("doctor", help="what each path (scan, conv, attention) uses on this machine, and why")
+    p.add_argument(
+        "--require-cuda", action="store_true",
+        help="exit 2 unless CUDA works and every kernel of the cuda extra passes its probe",
+    )  # fmt: skip
+    p.set_defaults(func=_doctor)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit import ssm
+from memfit import probes, ssm
 
 try:  # causal-conv1d's CUDA kernel: optional, its import fails without CUDA.
     from causal_conv1d import causal_conv1d_fn as _causal_conv1d_fn
@@ -166,10 +166,11 @@ class Mamba(nn.Module):
 
     def _conv(self, x: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv + SiLU: x (batch, d_inner, L)."""
-        if self.config.use_kernels and _causal_conv1d_fn is not None and x.is_cuda:
+        if self.config.use_kernels and probes.is_cuda(x):  # causal-conv1d when it takes x (memfit.probes)
             w = self.conv1d.weight.squeeze(1)
-            return _causal_conv1d_fn(x, w, self.conv1d.bias, activation="silu")
-        if self.config.use_kernels and x.is_floating_point() and _fused_cpu(x):
+            if probes.use_conv(_causal_conv1d_fn, x, w, self.conv1d.bias):
+                return _causal_conv1d_fn(probes.conv_layout(x), w, self.conv1d.bias, activation="silu")
+        elif self.config.use_kernels and x.is_floating_point() and _fused_cpu(x):
             return _ConvSiLU.apply(x, self.conv1d.weight, self.conv1d.bias)
         return F.silu(self.conv1d(x)[..., : x.shape[-1]])  # left padding only: trim the look-ahead outputs
 

@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memfit import probes
+
 try:  # mamba_ssm's fused CUDA kernel: optional, and its import fails on machines without CUDA.
     from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as _mamba_scan_fn
 except (ImportError, OSError, RuntimeError):  # pragma: no cover - depends on the machine
@@ -647,10 +649,6 @@ def _use_fused_cpu(u: torch.Tensor, N: int) -> bool:
     return N <= _scan_kernel.NMAX and _scan_kernel.library() is not None
 
 
-def _use_mamba_kernel(u: torch.Tensor) -> bool:
-    return _mamba_scan_fn is not None and u.is_cuda and not _is_fake(u)
-
-
 def selective_scan(
     u,
     delta,
@@ -670,18 +668,20 @@ def selective_scan(
 
     Same arguments and result as mamba_ssm's ``selective_scan_fn``; ``chunk_size`` steps per chunk bound
     the memory (None: ``auto_chunk_size``, or FUSED_CHUNK for the fused CPU kernel). ``use_kernels``: on
-    CUDA mamba_ssm's kernel when installed; on CPU the fused C kernel (_scan_kernel.c, built on first use
-    when a C compiler is there); False keeps both out (the torch-op path). Unlike mamba_ssm's, the
-    gradient of ``last_state`` propagates.
+    CUDA mamba_ssm's kernel when installed, its probe passed and it takes these inputs
+    (``memfit.probes``); on CPU the fused C kernel (_scan_kernel.c, built on first use when a C compiler
+    is there); False keeps both out (the torch-op path). Unlike mamba_ssm's, the gradient of
+    ``last_state`` propagates: on CUDA a call whose last state needs a gradient takes the torch-op path.
     """
     if chunk_size is not None and (
         not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1
     ):
         raise ValueError(f"selective_scan: chunk_size must be a positive int or None, got {chunk_size!r}")
     batch, dim, L, N = _check_args(u, delta, A, B, C, D, z, delta_bias)
-    if use_kernels and _use_mamba_kernel(u):
-        return _mamba_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
-    if use_kernels and _use_fused_cpu(u, N):
+    if use_kernels and probes.is_cuda(u):  # mamba_ssm's kernel when it takes these inputs (memfit.probes)
+        if probes.use_scan(_mamba_scan_fn, u, delta, A, B, C, D, z, delta_bias, return_last_state):
+            return _mamba_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
+    elif use_kernels and _use_fused_cpu(u, N):
         out, last = _FusedScan.apply(
             u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), chunk_size or FUSED_CHUNK
         )

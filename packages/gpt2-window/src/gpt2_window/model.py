@@ -17,12 +17,15 @@ import math
 
 import torch
 import torch.nn.functional as F
+from memfit import probes
 from memfit.attention import attention, attention_ref
 from memfit.layers import checkpointed
 from torch import nn
 
 from gpt2_window.baselines import SeedMaskCache
 from gpt2_window.config import GPTConfig
+
+SAMPLING_MIN_LENGTH = 64  # generate() on CUDA runs contexts at powers of two from this (_sampling_length)
 
 
 class CausalSelfAttention(nn.Module):
@@ -132,6 +135,15 @@ class GPT(nn.Module):
 
         Without targets only the last position's logits are computed (B, 1, V), as for sampling.
         """
+        x = self._features(idx)
+        if targets is None:
+            return self.lm_head(x[:, -1:, :]), None
+        logits = self.lm_head(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def _features(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) -> the final layer norm's output (B, T, C)."""
         B, T = idx.shape
         if self.config.block_size < T:
             raise ValueError(
@@ -144,12 +156,18 @@ class GPT(nn.Module):
         for block, w in zip(self.transformer.h, self.windows):
             mask = dense.get(w)
             x = checkpointed(block, x, mask, enabled=self.config.checkpoint and self.training)
-        x = self.transformer.ln_f(x)
-        if targets is None:
-            return self.lm_head(x[:, -1:, :]), None
-        logits = self.lm_head(x)
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
-        return logits, loss
+        return self.transformer.ln_f(x)
+
+    def _sampling_length(self, idx: torch.Tensor) -> int:
+        """The length generate() runs a (B, T) context at. On CUDA a windowed layer may take compiled
+        FlexAttention, which compiles once per length: T is rounded up to a power of two (at least 64, at
+        most block_size), so a whole generation compiles a handful of lengths instead of one per token.
+        The context is right-padded to it; causal attention keeps the padding out of position T-1."""
+        T = idx.shape[1]
+        windowed = any(w is not None for w in self.windows) and self.config.attn_impl == "memfit"
+        if not (windowed and probes.is_cuda(idx)):
+            return T
+        return min(self.config.block_size, max(SAMPLING_MIN_LENGTH, 1 << (T - 1).bit_length()))
 
     @torch.no_grad()
     def generate(
@@ -169,8 +187,10 @@ class GPT(nn.Module):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.config.block_size :]
-            logits, _ = self(ctx)
-            logits = logits[:, -1, :vocab_limit].float() / temperature
+            T = ctx.shape[1]
+            ctx = F.pad(ctx, (0, self._sampling_length(ctx) - T))
+            logits = self.lm_head(self._features(ctx)[:, T - 1, :])
+            logits = logits[:, :vocab_limit].float() / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -1,0 +1,220 @@
+"""On a GPU, with the cuda extra installed (`pytest -m cuda`; the GPU CI job runs `memfit doctor
+--require-cuda` first). Every test asserts which kernel ran (memfit.probes.ran), so a missing or unusable
+kernel fails here instead of passing on the PyTorch path. Without CUDA these tests fail (conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from memfit import probes
+from memfit.checkpoint import list_checkpoints
+from memfit.loop import Trainer, WarmupCosine, step_generator
+from memfit.mamba import Mamba, MambaConfig
+from memfit.settings import LoopConfig
+from memfit.ssm import selective_scan, selective_scan_ref
+from torch import nn
+
+pytestmark = pytest.mark.cuda
+
+KERNELS = {("conv", "causal_conv1d"): 1, ("scan", "mamba_ssm"): 1}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    probes.reset()
+    yield
+
+
+def _block(d_model=64, seed=0, **kw):
+    torch.manual_seed(seed)
+    return Mamba(MambaConfig(d_model=d_model, d_state=16, **kw)).cuda()
+
+
+def _fwd_bwd(m, x, amp):
+    """Output and the gradients of the input and every parameter, with the block's own (strided) inputs."""
+    m.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+        y = m(x)
+    (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
+    return [y.float(), x.grad.float()] + [p.grad.float() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
+def test_mamba_block_kernels_match_the_pytorch_path(amp):
+    """conv (causal-conv1d, channels-last view of in_proj's output) + scan (mamba_ssm) against F.conv1d +
+    the torch-op scan, forward and every gradient, in fp32 and under bf16 autocast."""
+    m = _block()
+    x = torch.randn(4, 300, 64, device="cuda")
+    got = _fwd_bwd(m, x, amp)
+    assert probes.ran() == KERNELS, probes.ran()
+    m.config.use_kernels = False
+    want = _fwd_bwd(m, x, amp)
+    tol = 3e-2 if amp else 2e-4
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=tol * max(1.0, w.abs().max().item()), rtol=tol)
+
+
+def _scan_inputs(batch=2, dim=32, L=200, N=16, dtype=torch.float32):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    u = torch.randn(batch, dim, L, device="cuda", generator=g, dtype=dtype)
+    delta = (0.5 * torch.randn(batch, dim, L, device="cuda", generator=g)).to(dtype)
+    A = -torch.rand(dim, N, device="cuda", generator=g) - 0.5
+    B, C = (torch.randn(batch, N, L, device="cuda", generator=g, dtype=dtype) for _ in range(2))
+    D = torch.randn(dim, device="cuda", generator=g)
+    z = torch.randn(batch, dim, L, device="cuda", generator=g, dtype=dtype)
+    bias = 0.1 * torch.randn(dim, device="cuda", generator=g)
+    return [t.requires_grad_(True) for t in (u, delta, A, B, C, D, z, bias)]
+
+
+def _scan_grads(fn, inputs, last=False, **kw):
+    inputs = [t.detach().requires_grad_(True) for t in inputs]
+    out = fn(*inputs, delta_softplus=True, return_last_state=last, **kw)
+    loss = out[0].sum() + out[1].sum() if last else out.sum()
+    loss.backward()
+    return [out[0] if last else out] + ([out[1]] if last else []) + [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["mamba_ssm", "torch-op"])
+def test_scan_on_cuda_matches_the_reference(use_kernels):
+    inputs = _scan_inputs()
+    got = _scan_grads(selective_scan, inputs, use_kernels=use_kernels)
+    assert probes.ran("scan") == ({"mamba_ssm": 1} if use_kernels else {})  # use_kernels=False: torch-op
+    want = _scan_grads(selective_scan_ref, inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-3 * max(1.0, w.abs().max().item()), rtol=1e-3)
+
+
+def test_last_state_gradient_on_cuda():
+    """mamba_ssm drops the last state's gradient: such a call takes the torch-op path, which keeps it."""
+    inputs = _scan_inputs(L=100)
+    got = _scan_grads(selective_scan, inputs, last=True)
+    assert probes.ran("scan") == {"torch": 1}
+    want = _scan_grads(selective_scan_ref, inputs, last=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-3 * max(1.0, w.abs().max().item()), rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training on CUDA: resume, --compile, DDP
+# ----------------------------------------------------------------------------------------------------
+
+
+class MambaNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Sequential(nn.Linear(8, 64), nn.Dropout(0.1))  # dropout: the RNG state matters
+        self.mix = Mamba(MambaConfig(d_model=64, d_state=16))
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.head(self.mix(self.emb(x))).squeeze(-1)
+
+
+def make_batch(step, micro, batch=8, rank=0, world=1):
+    g = step_generator(0, step, micro)
+    x = torch.randn(batch, 64, 8, generator=g)
+    y = x.sum(-1).cumsum(-1) / 8
+    lo = rank * batch // world
+    return x[lo : lo + batch // world], y[lo : lo + batch // world]
+
+
+def loss_fn(model, batch):
+    x, y = (t.cuda(non_blocking=True) for t in batch)
+    loss = (model(x).float() - y).pow(2).mean()
+    return loss, {"mse": loss.item()}
+
+
+def _trainer(run_dir, steps, resume=False, compile=False, amp="bf16"):
+    torch.manual_seed(0)
+    model = MambaNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    cfg = LoopConfig(steps=steps, amp=amp, save_every=3, keep_last=2, progress=False, log_every=1,
+                     device="cuda", compile=compile, preflight=False)  # fmt: skip
+    return Trainer(model, opt, loss_fn, make_batch, cfg, lr_schedule=WarmupCosine(2, total_steps=8),
+                   config={}, run_dir=run_dir, resume=resume)  # fmt: skip
+
+
+def test_resume_on_cuda_gives_identical_weights(tmp_path):
+    """A checkpoint written on the GPU (its RNG state loaded onto the GPU) resumes to the same weights."""
+    full = _trainer(tmp_path / "full", steps=8)
+    full.fit()
+    assert probes.ran()[("scan", "mamba_ssm")] > 0 and probes.ran()[("conv", "causal_conv1d")] > 0
+    part = _trainer(tmp_path / "part", steps=7)
+    part.fit()
+    for p in list_checkpoints(tmp_path / "part"):
+        if p.name != "ckpt_0000006.pt":
+            p.unlink()
+    resumed = _trainer(tmp_path / "part", steps=8, resume=True)
+    assert resumed.step == 6
+    resumed.fit()
+    for a, b in zip(full.raw_model.parameters(), resumed.raw_model.parameters()):
+        # mamba_ssm's backward accumulates dB/dC with atomics: not bit-reproducible, hence the tolerance
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_compile_on_cuda_trains_like_eager(tmp_path):
+    eager = _trainer(tmp_path / "eager", steps=4, amp="none")
+    eager.fit()
+    assert probes.ran("scan") == {"mamba_ssm": 4} and probes.ran("conv") == {"causal_conv1d": 4}
+    compiled = _trainer(tmp_path / "compiled", steps=4, compile=True, amp="none")
+    compiled.fit()
+    for a, b in zip(eager.raw_model.parameters(), compiled.raw_model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+DDP_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {testdir!r})
+    from memfit import probes
+    from memfit.distributed import dist_info
+    from memfit.loop import Trainer
+    from memfit.settings import LoopConfig
+    from test_cuda import MambaNet, loss_fn, make_batch
+
+    info = dist_info()
+    torch.manual_seed(0)
+    model = MambaNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    cfg = LoopConfig(steps=4, amp="none", progress=False, grad_clip=0, device="cuda", preflight=False)
+    get = lambda s, m: make_batch(s, m, batch=8, rank=info.rank, world=info.world_size)
+    t = Trainer(model, opt, loss_fn, get, cfg, run_dir={run_dir!r})
+    t.fit()
+    assert next(t.raw_model.parameters()).device == torch.device("cuda", info.local_rank)
+    assert probes.ran("scan") == {{"mamba_ssm": 4}}, probes.ran()
+    if info.rank == 0:
+        torch.save([p.detach().cpu() for p in t.raw_model.parameters()], {out!r})
+    """
+)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path, nproc):
+    out, script = tmp_path / f"w{nproc}.pt", tmp_path / f"ddp{nproc}.py"
+    run_dir = str(tmp_path / f"r{nproc}")
+    script.write_text(DDP_SCRIPT.format(testdir=os.path.dirname(__file__), run_dir=run_dir, out=str(out)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(script)]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP on GPUs needs 2 of them")
+def test_ddp_on_two_gpus_equals_one_gpu_with_double_batch(tmp_path):
+    """torchrun, NCCL, --device cuda: rank r on cuda:r; 2 x 4 samples == 1 x 8 samples."""
+    two, one = _run(tmp_path, 2), _run(tmp_path, 1)
+    for a, b in zip(two, one):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
