@@ -3,7 +3,8 @@ sources (speech-tts pairs, speech-voices, noise-real), each with one augmentatio
 held-out voices and noise recordings (the recipe's val_voices / val_noises; the test groups are never
 read). Prints one line per run: best validation PESQ-wb / STOI / SI-SDR and the step it came at.
 
-    taskset -c 1 uv run python tools/mbsnet_augment_runs.py --minutes 6 [--only none,speed] [--out DIR]
+    taskset -c 1 uv run python tools/mbsnet_augment_runs.py --minutes 6 [--only none,speed] [--seed 1]
+        [--extra speed=0.5] [--out DIR]
 
 Runs one after another (one thread each, the recipe's); wall-clock budgets, so keep the machine's other
 work off the core it runs on.
@@ -44,6 +45,9 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="augmentations on in every run besides the variant's")
     ap.add_argument("--out", default="runs-augment")
     ap.add_argument("--eval_every", type=int, default=200)
+    ap.add_argument(
+        "--seed", type=int, default=0, help="training seed (run-to-run spread: repeat with another)"
+    )
     args = ap.parse_args()
     for name in args.only.split(","):
         aug = ",".join(a for a in (args.extra, VARIANTS[name]) if a) or "speed=0"
@@ -68,13 +72,17 @@ def main() -> None:
             "--runs_dir",
             args.out,
             "--run_name",
-            name,
+            f"{name}-s{args.seed}",
+            "--seed",
+            str(args.seed),
+            "--no_progress",
             "--overwrite",
         ]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        b = best_eval(Path(args.out) / "mbsnet-speech" / name)
+        b = best_eval(Path(args.out) / "mbsnet-speech" / f"{name}-s{args.seed}")
         print(
-            f"RESULT {name:<10} augment {aug:<28} best val PESQ-wb {b.get('eval/pesq', float('nan')):.3f} "
+            f"RESULT {name:<10} seed {args.seed} augment {aug:<28} "
+            f"best val PESQ-wb {b.get('eval/pesq', float('nan')):.3f} "
             f"STOI {b.get('eval/stoi', float('nan')):.3f} SI-SDR {b.get('eval/si_sdr', float('nan')):.2f} "
             f"at step {b.get('step')}",
             flush=True,
