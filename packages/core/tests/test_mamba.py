@@ -147,7 +147,7 @@ def test_fused_cpu_conv_matches_torch_conv(dtype):
     output and the gradients of input, weight and bias, on the strided input a Mamba block passes, with
     1 and 3 threads (per-thread weight-gradient accumulators summed)."""
     from memfit import _scan_kernel
-    from memfit.mamba import _ConvSiLU
+    from memfit.mamba import conv_silu
 
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")
@@ -163,7 +163,7 @@ def test_fused_cpu_conv_matches_torch_conv(dtype):
             b = torch.randn(6, dtype=dtype, generator=g).requires_grad_()
             ref = F.silu(F.conv1d(x, w, b, padding=3, groups=6)[..., :11])
             gy = torch.randn(ref.shape, dtype=dtype, generator=g)
-            out = _ConvSiLU.apply(x, w, b)
+            out = conv_silu(x, w, b)
             torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
             ours, theirs = (torch.autograd.grad(y, (xz, w, b), gy) for y in (out, ref))
             for a, r in zip(ours, theirs, strict=True):
@@ -183,7 +183,7 @@ def test_mamba_block_runs_the_scan_kernels_lane_path(monkeypatch, dtype):
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")
     calls, orig = [], _scan_kernel.call
-    monkeypatch.setattr(_scan_kernel, "call", lambda name, *a: calls.append((name, a[-1])) or orig(name, *a))
+    monkeypatch.setattr(_scan_kernel, "call", lambda name, a: calls.append((name, a.lanes)) or orig(name, a))
     torch.manual_seed(0)
     m = Mamba(MambaConfig(20, d_state=8, expand=1.5)).to(dtype)  # d_inner 30
     m(torch.randn(2, 21, 20, dtype=dtype)).square().mean().backward()
@@ -201,7 +201,7 @@ def test_bf16_autocast_runs_the_fused_kernels_and_matches_the_torch_ops(monkeypa
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")
     calls, orig = [], _scan_kernel.call
-    monkeypatch.setattr(_scan_kernel, "call", lambda name, *a: calls.append((name, a[-1])) or orig(name, *a))
+    monkeypatch.setattr(_scan_kernel, "call", lambda name, a: calls.append((name, a.lanes)) or orig(name, a))
 
     def run(use_kernels):
         torch.manual_seed(0)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit import _scan_kernel as _K
 from memfit import ssm
 
 try:  # causal-conv1d's CUDA kernel: optional, its import fails without CUDA.
@@ -65,67 +66,111 @@ class MambaConfig:
 
 def _fused_cpu(x: torch.Tensor) -> bool:
     """CPU tensors with the fused kernels built (memfit/_scan_kernel.c). Fake tensors (memory estimates)
-    take it too: same allocations, the C call skipped."""
-    if x.device.type != "cpu":
-        return False
-    from memfit import _scan_kernel
-
-    return _scan_kernel.library() is not None
+    take it too: the conv ops' fake implementations make the outputs the kernel makes."""
+    return x.device.type == "cpu" and _K.library() is not None
 
 
-class _ConvSiLU(torch.autograd.Function):
-    """silu(depthwise causal conv1d) on CPU in C, channels last: x (batch, d, L), typically a transposed
-    view of a (batch, L, d) projection, read in place; the result is a (batch, d, L) view of a
-    (batch, L, d) tensor, the layout x_proj and the scan read without copies. Backward recomputes the
-    pre-activation instead of keeping it. The kernel computes in fp32 (fp64 for fp64 x); bf16/fp16 x (under
-    autocast) is cast on the way in and the result cast back to x's dtype, as autocast's conv1d gives."""
+# The fused depthwise causal conv1d + SiLU on CPU in C, channels last, as two torch ops (memfit::conv_fwd,
+# memfit::conv_bwd, like the scan's in memfit.ssm): x (batch, d, L), typically a transposed view of a
+# (batch, L, d) projection, is read in place; the result is a (batch, d, L) view of a (batch, L, d) tensor,
+# the layout x_proj and the scan read without copies. Backward recomputes the pre-activation instead of
+# keeping it. The kernel computes in fp32 (fp64 for fp64 x); bf16/fp16 x (under autocast) is cast on the
+# way in and the result cast back to x's dtype, as autocast's conv1d gives.
 
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        from memfit import _scan_kernel as K
 
-        batch, dim, L = x.shape
-        k = weight.shape[-1]
-        cd = ssm._compute_dtype(x)
-        xt = _channels_last(x, cd)
-        wt = weight.detach().reshape(dim, k).t().contiguous().to(cd)
-        b = bias.detach().to(cd).contiguous() if bias is not None else None
-        u = x.new_empty((batch, L, dim), dtype=cd)
-        sfx = "f64" if cd == torch.float64 else "f32"
-        if not ssm._is_fake(x):
-            K.call(f"conv_fwd_{sfx}", K.ints(batch, L, dim, k), K.ptr(xt), K.ints(xt.stride(0), xt.stride(1)),
-                   K.ptr(wt), K.ptr(b), K.ptr(u), torch.get_num_threads())  # fmt: skip
-        ctx.save_for_backward(x, weight, bias)
-        return u.to(x.dtype).transpose(1, 2)
+def _conv_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nthreads: int) -> tuple:
+    """(ConvArgs with the inputs set, the prepared tensors it points at, to keep alive, the dtype)."""
+    batch, dim, L = x.shape
+    k = weight.shape[-1]
+    cd = ssm.compute_dtype(x)
+    xt = _channels_last(x, cd)
+    wt = weight.detach().reshape(dim, k).t().contiguous().to(cd)
+    b = bias.detach().to(cd).contiguous() if bias is not None else None
+    a = _K.ConvArgs(batch=batch, L=L, dim=dim, K=k, sx_b=xt.stride(0), sx_t=xt.stride(1), nthreads=nthreads)
+    a.x, a.w, a.bias = _K.ptr(xt), _K.ptr(wt), _K.ptr(b)
+    return a, (xt, wt, b), cd
 
-    @staticmethod
-    def backward(ctx, gu):
-        from memfit import _scan_kernel as K
 
-        x, weight, bias = ctx.saved_tensors
-        batch, dim, L = x.shape
-        k = weight.shape[-1]
-        nth = max(1, min(torch.get_num_threads(), batch))
-        cd = ssm._compute_dtype(x)
-        xt = _channels_last(x, cd)
-        wt = weight.detach().reshape(dim, k).t().contiguous().to(cd)
-        b = bias.detach().to(cd).contiguous() if bias is not None else None
-        gut = gu.transpose(1, 2).to(cd).contiguous()
-        gx = x.new_empty((batch, L, dim), dtype=cd)
-        gw = x.new_zeros((nth, k, dim), dtype=cd)
-        gb = x.new_zeros((nth, dim), dtype=cd) if bias is not None else None
-        sfx = "f64" if cd == torch.float64 else "f32"
-        if not ssm._is_fake(x):
-            K.call(f"conv_bwd_{sfx}", K.ints(batch, L, dim, k), K.ptr(xt), K.ints(xt.stride(0), xt.stride(1)),
-                   K.ptr(wt), K.ptr(b), K.ptr(gut), K.ptr(gx), K.ptr(gw), K.ptr(gb), nth)  # fmt: skip
-        gw = gw.sum(0).t().reshape(weight.shape).to(weight.dtype)
-        gb = gb.sum(0).to(bias.dtype) if gb is not None else None
-        return gx.to(x.dtype).transpose(1, 2), gw, gb
+@torch.library.custom_op("memfit::conv_fwd", mutates_args=(), device_types="cpu")
+def _conv_fwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nthreads: int
+) -> torch.Tensor:
+    """silu(depthwise causal conv1d(x)) as a (batch, L, d) tensor in the compute dtype."""
+    a, keep, cd = _conv_args(x, weight, bias, nthreads)
+    u = _conv_fwd_fake(x, weight, bias, nthreads)
+    a.u = u.data_ptr()
+    _K.call(f"conv_fwd_{ssm.sfx(cd)}", a)
+    del keep
+    return u
+
+
+@_conv_fwd.register_fake
+def _conv_fwd_fake(x, weight, bias, nthreads):
+    batch, dim, L = x.shape
+    return x.new_empty((batch, L, dim), dtype=ssm.compute_dtype(x))
+
+
+def _conv_bwd_outputs(x, weight, bias, nthreads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gx (batch, L, d), per-thread gw (nth, k, d) and gb (nth, d), gb empty without a bias)."""
+    batch, dim, L = x.shape
+    cd = ssm.compute_dtype(x)
+    nth = max(1, min(nthreads, batch))
+    gx = x.new_empty((batch, L, dim), dtype=cd)
+    gw = x.new_zeros((nth, weight.shape[-1], dim), dtype=cd)
+    gb = x.new_zeros((nth, dim), dtype=cd) if bias is not None else x.new_empty(0, dtype=cd)
+    return gx, gw, gb
+
+
+@torch.library.custom_op("memfit::conv_bwd", mutates_args=(), device_types="cpu")
+def _conv_bwd(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gu: torch.Tensor, nthreads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv's backward from the gradient gu of its (batch, L, d) output: see _conv_bwd_outputs."""
+    a, keep, cd = _conv_args(x, weight, bias, nthreads)
+    gut = gu.to(cd).contiguous()
+    gx, gw, gb = _conv_bwd_outputs(x, weight, bias, nthreads)
+    a.gu, a.gx, a.gw, a.gb = (
+        _K.ptr(gut),
+        gx.data_ptr(),
+        gw.data_ptr(),
+        _K.ptr(gb if bias is not None else None),
+    )
+    a.nthreads = gw.shape[0]
+    _K.call(f"conv_bwd_{ssm.sfx(cd)}", a)
+    del keep
+    return gx, gw, gb
+
+
+@_conv_bwd.register_fake
+def _(x, weight, bias, gu, nthreads):
+    return _conv_bwd_outputs(x, weight, bias, nthreads)
+
+
+def _conv_setup(ctx, inputs, output) -> None:
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, bias)
+
+
+def _conv_backward(ctx, gu):
+    x, weight, bias = ctx.saved_tensors
+    gx, gw, gb = _conv_bwd(x, weight, bias, gu, torch.get_num_threads())
+    gw = gw.sum(0).t().reshape(weight.shape).to(weight.dtype)
+    gb = gb.sum(0).to(bias.dtype) if bias is not None else None
+    return gx.to(x.dtype).transpose(1, 2), gw, gb, None
+
+
+_conv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+def conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(depthwise causal conv1d(x)) on the fused CPU kernel: x (batch, d, L), weight (d, 1, k), bias
+    (d,) or None -> (batch, d, L) in x's dtype, a view of a (batch, L, d) tensor."""
+    return _conv_fwd(x, weight, bias, torch.get_num_threads()).to(x.dtype).transpose(1, 2)
 
 
 def _channels_last(x: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
     """(batch, d, L) x as a (batch, L, d) tensor of dtype cd with d contiguous (a view when it is one)."""
-    xt = ssm._bdl_cd(x, cd).transpose(1, 2)  # the scan's cast, which keeps a channel stride of 1
+    xt = ssm.cast_bdl(x, cd).transpose(1, 2)  # the scan's cast, which keeps a channel stride of 1
     return xt if xt.stride(2) == 1 else xt.contiguous()
 
 
@@ -170,7 +215,7 @@ class Mamba(nn.Module):
             w = self.conv1d.weight.squeeze(1)
             return _causal_conv1d_fn(x, w, self.conv1d.bias, activation="silu")
         if self.config.use_kernels and x.is_floating_point() and _fused_cpu(x):
-            return _ConvSiLU.apply(x, self.conv1d.weight, self.conv1d.bias)
+            return conv_silu(x, self.conv1d.weight, self.conv1d.bias)
         return F.silu(self.conv1d(x)[..., : x.shape[-1]])  # left padding only: trim the look-ahead outputs
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
