@@ -70,102 +70,101 @@ def _fused_cpu(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and _K.library() is not None
 
 
-# The fused depthwise causal conv1d + SiLU on CPU in C, channels last, as two torch ops (memfit::conv_fwd,
-# memfit::conv_bwd, like the scan's in memfit.ssm): x (batch, d, L), typically a transposed view of a
-# (batch, L, d) projection, is read in place; the result is a (batch, d, L) view of a (batch, L, d) tensor,
-# the layout x_proj and the scan read without copies. Backward recomputes the pre-activation instead of
-# keeping it. The kernel computes in fp32 (fp64 for fp64 x); bf16/fp16 x (under autocast) is cast on the
-# way in and the result cast back to x's dtype, as autocast's conv1d gives.
+# The fused depthwise causal conv1d + SiLU as torch ops, memfit::conv_fwd and memfit::conv_bwd, on the
+# tensors as the kernel reads them (x channels last in the compute dtype, the weight as (k, d)), with fake
+# implementations making the same outputs, and _ConvSiLU around them as memfit.ssm's _FusedScan is around
+# the scan's ops (casts as torch ops, the block's own tensors saved for backward).
 
 
-def _conv_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nthreads: int) -> tuple:
-    """(ConvArgs with the inputs set, the prepared tensors it points at, to keep alive, the dtype)."""
-    batch, dim, L = x.shape
-    k = weight.shape[-1]
-    cd = ssm.compute_dtype(x)
-    xt = _channels_last(x, cd)
-    wt = weight.detach().reshape(dim, k).t().contiguous().to(cd)
-    b = bias.detach().to(cd).contiguous() if bias is not None else None
-    a = _K.ConvArgs(batch=batch, L=L, dim=dim, K=k, sx_b=xt.stride(0), sx_t=xt.stride(1), nthreads=nthreads)
-    a.x, a.w, a.bias = _K.ptr(xt), _K.ptr(wt), _K.ptr(b)
-    return a, (xt, wt, b), cd
+def _conv_args(xt: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, nthreads: int) -> _K.ConvArgs:
+    batch, L, dim = xt.shape
+    a = _K.ConvArgs(batch=batch, L=L, dim=dim, K=wt.shape[0], sx_b=xt.stride(0), sx_t=xt.stride(1))
+    a.x, a.w, a.bias, a.nthreads = xt.data_ptr(), wt.data_ptr(), _K.ptr(bias), nthreads
+    return a
 
 
-@torch.library.custom_op("memfit::conv_fwd", mutates_args=(), device_types="cpu")
-def _conv_fwd(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nthreads: int
-) -> torch.Tensor:
-    """silu(depthwise causal conv1d(x)) as a (batch, L, d) tensor in the compute dtype."""
-    a, keep, cd = _conv_args(x, weight, bias, nthreads)
-    u = _conv_fwd_fake(x, weight, bias, nthreads)
+@torch.library.custom_op("memfit::conv_fwd", mutates_args=(), device_types="cpu", tags=ssm.OP_TAGS)
+def _conv_fwd(xt: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, nthreads: int) -> torch.Tensor:
+    """silu(depthwise causal conv1d) of xt (batch, L, d), d contiguous, weight wt (k, d) contiguous, bias
+    (d,) or None: a new (batch, L, d) tensor."""
+    a = _conv_args(xt, wt, bias, nthreads)
+    u = torch.empty_like(xt, memory_format=torch.contiguous_format)
     a.u = u.data_ptr()
-    _K.call(f"conv_fwd_{ssm.sfx(cd)}", a)
-    del keep
+    _K.call(f"conv_fwd_{ssm.sfx(xt.dtype)}", a)
     return u
 
 
 @_conv_fwd.register_fake
-def _conv_fwd_fake(x, weight, bias, nthreads):
-    batch, dim, L = x.shape
-    return x.new_empty((batch, L, dim), dtype=ssm.compute_dtype(x))
+def _(xt, wt, bias, nthreads):
+    return torch.empty_like(xt, memory_format=torch.contiguous_format)
 
 
-def _conv_bwd_outputs(x, weight, bias, nthreads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _conv_bwd_outputs(xt: torch.Tensor, wt: torch.Tensor, bias, nthreads) -> tuple:
     """(gx (batch, L, d), per-thread gw (nth, k, d) and gb (nth, d), gb empty without a bias)."""
-    batch, dim, L = x.shape
-    cd = ssm.compute_dtype(x)
-    nth = max(1, min(nthreads, batch))
-    gx = x.new_empty((batch, L, dim), dtype=cd)
-    gw = x.new_zeros((nth, weight.shape[-1], dim), dtype=cd)
-    gb = x.new_zeros((nth, dim), dtype=cd) if bias is not None else x.new_empty(0, dtype=cd)
+    nth = max(1, min(nthreads, xt.shape[0]))
+    gx = torch.empty_like(xt, memory_format=torch.contiguous_format)
+    gw = xt.new_zeros((nth, *wt.shape))
+    gb = xt.new_zeros((nth, xt.shape[2])) if bias is not None else xt.new_empty(0)
     return gx, gw, gb
 
 
-@torch.library.custom_op("memfit::conv_bwd", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("memfit::conv_bwd", mutates_args=(), device_types="cpu", tags=ssm.OP_TAGS)
 def _conv_bwd(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gu: torch.Tensor, nthreads: int
+    xt: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, gu: torch.Tensor, nthreads: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The conv's backward from the gradient gu of its (batch, L, d) output: see _conv_bwd_outputs."""
-    a, keep, cd = _conv_args(x, weight, bias, nthreads)
-    gut = gu.to(cd).contiguous()
-    gx, gw, gb = _conv_bwd_outputs(x, weight, bias, nthreads)
-    a.gu, a.gx, a.gw, a.gb = (
-        _K.ptr(gut),
-        gx.data_ptr(),
-        gw.data_ptr(),
-        _K.ptr(gb if bias is not None else None),
-    )
-    a.nthreads = gw.shape[0]
-    _K.call(f"conv_bwd_{ssm.sfx(cd)}", a)
-    del keep
+    """The backward from the gradient gu (batch, L, d), contiguous, of the output: see _conv_bwd_outputs."""
+    gx, gw, gb = _conv_bwd_outputs(xt, wt, bias, nthreads)
+    a = _conv_args(xt, wt, bias, gw.shape[0])
+    a.gu, a.gx, a.gw, a.gb = gu.data_ptr(), gx.data_ptr(), gw.data_ptr(), _K.ptr(bias if bias is None else gb)
+    _K.call(f"conv_bwd_{ssm.sfx(xt.dtype)}", a)
     return gx, gw, gb
 
 
 @_conv_bwd.register_fake
-def _(x, weight, bias, gu, nthreads):
-    return _conv_bwd_outputs(x, weight, bias, nthreads)
+def _(xt, wt, bias, gu, nthreads):
+    return _conv_bwd_outputs(xt, wt, bias, nthreads)
 
 
-def _conv_setup(ctx, inputs, output) -> None:
-    x, weight, bias, _ = inputs
-    ctx.save_for_backward(x, weight, bias)
+class _ConvSiLU(torch.autograd.Function):
+    """silu(depthwise causal conv1d) on CPU in C, channels last: x (batch, d, L), typically a transposed
+    view of a (batch, L, d) projection, read in place; the result is a (batch, d, L) view of a
+    (batch, L, d) tensor, the layout x_proj and the scan read without copies. Backward recomputes the
+    pre-activation instead of keeping it. The kernel computes in fp32 (fp64 for fp64 x); bf16/fp16 x (under
+    autocast) is cast on the way in and the result cast back to x's dtype, as autocast's conv1d gives."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        xt, wt, b = _conv_inputs(x, weight, bias)
+        u = _conv_fwd(xt, wt, b, torch.get_num_threads())
+        ctx.save_for_backward(x, weight, bias)
+        return u.to(x.dtype).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, gu):
+        x, weight, bias = ctx.saved_tensors
+        xt, wt, b = _conv_inputs(x, weight, bias)
+        gut = gu.transpose(1, 2).to(xt.dtype).contiguous()
+        gx, gw, gb = _conv_bwd(xt, wt, b, gut, torch.get_num_threads())
+        gw = gw.sum(0).t().reshape(weight.shape).to(weight.dtype)
+        gb = gb.sum(0).to(bias.dtype) if bias is not None else None
+        return gx.to(x.dtype).transpose(1, 2), gw, gb
 
 
-def _conv_backward(ctx, gu):
-    x, weight, bias = ctx.saved_tensors
-    gx, gw, gb = _conv_bwd(x, weight, bias, gu, torch.get_num_threads())
-    gw = gw.sum(0).t().reshape(weight.shape).to(weight.dtype)
-    gb = gb.sum(0).to(bias.dtype) if bias is not None else None
-    return gx.to(x.dtype).transpose(1, 2), gw, gb, None
-
-
-_conv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
+def _conv_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """x, the conv's weight (d, 1, k) and bias as the kernel reads them: (x as (batch, L, d) with d
+    contiguous, the weight as (k, d) contiguous, the bias contiguous), in the compute dtype."""
+    dim, k = weight.shape[0], weight.shape[-1]
+    cd = ssm.compute_dtype(x)
+    xt = _channels_last(x, cd)
+    wt = weight.detach().reshape(dim, k).t().contiguous().to(cd)
+    b = bias.detach().to(cd).contiguous() if bias is not None else None
+    return xt, wt, b
 
 
 def conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """silu(depthwise causal conv1d(x)) on the fused CPU kernel: x (batch, d, L), weight (d, 1, k), bias
     (d,) or None -> (batch, d, L) in x's dtype, a view of a (batch, L, d) tensor."""
-    return _conv_fwd(x, weight, bias, torch.get_num_threads()).to(x.dtype).transpose(1, 2)
+    return _ConvSiLU.apply(x, weight, bias)
 
 
 def _channels_last(x: torch.Tensor, cd: torch.dtype) -> torch.Tensor:

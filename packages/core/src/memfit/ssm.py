@@ -469,18 +469,24 @@ def _lane_path_fits(B: torch.Tensor, C: torch.Tensor, dim: int, sfx: str, *per_s
     return all(x is None or dim == 1 or x.stride(1) == 1 for x in per_step)
 
 
-def _bc_kernel_args(X: torch.Tensor, dim: int, cd: torch.dtype) -> tuple[torch.Tensor, _K.Strides, int]:
-    """B or C for the kernel: (tensor with N contiguous, its (batch, group, t) strides, group size)."""
+def _bc_kernel(X: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    """B or C for the kernel: in dtype cd with N contiguous."""
     X = X.to(cd)
-    if X.dim() == 2:  # shared (dim, N): a group per channel
-        X = X.contiguous()
-        return X, _K.Strides(g=X.stride(0)), 1
+    if X.dim() == 2:  # shared (dim, N)
+        return X.contiguous()
     n_axis = X.dim() - 2
     if X.stride(n_axis) != 1:
         X = X.transpose(n_axis, -1).contiguous().transpose(n_axis, -1)
+    return X
+
+
+def _bc_strides(X: torch.Tensor, dim: int) -> tuple[_K.Strides, int]:
+    """A _bc_kernel tensor's (batch, group, t) strides and its group size (channels per group)."""
+    if X.dim() == 2:  # shared (dim, N): a group per channel
+        return _K.Strides(g=X.stride(0)), 1
     if X.dim() == 3:  # per step (batch, N, L): one group of all channels
-        return X, _K.Strides(b=X.stride(0), t=X.stride(2)), dim
-    return X, _K.Strides(b=X.stride(0), g=X.stride(1), t=X.stride(3)), dim // X.shape[1]
+        return _K.Strides(b=X.stride(0), t=X.stride(2)), dim
+    return _K.Strides(b=X.stride(0), g=X.stride(1), t=X.stride(3)), dim // X.shape[1]
 
 
 def _grad_accumulator(X: torch.Tensor, nth: int, cd: torch.dtype) -> torch.Tensor:
@@ -527,46 +533,12 @@ def cast_bdl(x: torch.Tensor | None, cd: torch.dtype) -> torch.Tensor | None:
 _BF_U, _BF_DELTA, _BF_Z, _BF_DOUT, _BF_Y, _BF_DU, _BF_DDELTA, _BF_DZ = (1 << i for i in range(8))
 
 
-def _kernel_dtype(x: torch.Tensor, cd: torch.dtype, lanes: bool) -> torch.dtype:
-    """The dtype the kernel reads or writes a per-step tensor like x in: bf16 as it is on the fp32 lane
-    path (under autocast: no cast, no copy), else the compute dtype."""
-    return torch.bfloat16 if lanes and x.dtype == torch.bfloat16 and cd == torch.float32 else cd
-
-
-def _kernel_in(x: torch.Tensor | None, cd: torch.dtype, lanes: bool) -> tuple[torch.Tensor | None, bool]:
-    """(tensor, read as bf16?) for a per-step (batch, dim, L) input."""
-    if x is None:
-        return None, False
-    bf = _kernel_dtype(x, cd, lanes) == torch.bfloat16
-    return (x if bf else cast_bdl(x, cd)), bf
-
-
-def _new_out(like: torch.Tensor, cd: torch.dtype, lanes: bool) -> torch.Tensor:
-    """A kernel output for the per-step tensor ``like`` (batch, dim, L): a (batch, L, dim) tensor in
-    _kernel_dtype. The ops return it so; the caller hands out its (batch, dim, L) transpose."""
-    return _new_bld(like, _kernel_dtype(like, cd, lanes))
-
-
-def _none_if_empty(t: torch.Tensor) -> torch.Tensor | None:
-    return None if t.numel() == 0 and t.dim() == 1 else t
-
-
-def _scan_args(u, delta, A, B, C, D, z, delta_bias, softplus, chunk, lanes, nthreads, cd) -> tuple:
-    """The kernel's arguments for both directions: (ScanArgs with everything but the outputs and the
-    backward's inputs, the prepared tensors it points at, kept alive by the caller, the BF_* bits)."""
-    batch, dim, L = u.shape
-    a = _K.ScanArgs(batch=batch, dim=dim, L=L, N=A.shape[1], T=chunk, softplus=int(softplus),
-                    lanes=int(lanes), nthreads=nthreads)  # fmt: skip
-    (uc, b1), (dl, b2), (zc, b3) = (_kernel_in(x, cd, lanes) for x in (u, delta, z))
-    Dc, bias = _cd_or_none(D, cd, True), _cd_or_none(delta_bias, cd, True)
-    Ac = A.to(cd).contiguous()
-    A2 = (Ac * (_LOG2E if cd == torch.float32 else 1.0)).contiguous()
-    Bk, a.sB, a.gsB = _bc_kernel_args(B, dim, cd)
-    Ck, a.sC, a.gsC = _bc_kernel_args(C, dim, cd)
-    a.u, a.delta, a.z, a.D, a.bias, a.A, a.A2, a.B, a.C = map(_K.ptr, (uc, dl, zc, Dc, bias, Ac, A2, Bk, Ck))
-    a.su, a.sdl, a.sz = _K.bdl(uc), _K.bdl(dl), _K.bdl(zc)
-    bits = (_BF_U if b1 else 0) | (_BF_DELTA if b2 else 0) | (_BF_Z if b3 else 0)
-    return a, (uc, dl, zc, Dc, bias, Ac, A2, Bk, Ck), bits
+def _kernel_in(x: torch.Tensor | None, cd: torch.dtype, lanes: bool) -> torch.Tensor | None:
+    """A per-step (batch, dim, L) input as the kernel reads it: bf16 as it is on the fp32 lane path (under
+    autocast: no cast, no copy), anything else cast to the compute dtype."""
+    if lanes and x is not None and x.dtype == torch.bfloat16 and cd == torch.float32:
+        return x
+    return cast_bdl(x, cd)
 
 
 def sfx(cd: torch.dtype) -> str:
@@ -574,135 +546,160 @@ def sfx(cd: torch.dtype) -> str:
     return "f64" if cd == torch.float64 else "f32"
 
 
-# The fused scan as two torch ops, memfit::scan_fwd and memfit::scan_bwd, so FakeTensorMode (memory
-# estimates), autograd and torch.compile see it like any aten op: each has a fake implementation that
-# makes the outputs the real one makes, from the same function (_scan_fwd_outputs, _scan_bwd_outputs).
-# The ops take the scan's own arguments and prepare them for the kernel inside (casts, B/C with N
-# contiguous); per-step outputs are (batch, L, dim) tensors (the caller transposes them), and the backward
-# returns per-thread partial sums of the parameter gradients, summed by its caller. ``lanes`` (the path)
-# and ``nthreads`` are decided by the caller, so an op's outputs follow from its arguments alone.
+def _bf16(t: torch.Tensor | None, bit: int) -> int:
+    return bit if t is not None and t.dtype == torch.bfloat16 else 0
 
 
-def _scan_fwd_outputs(u, A, chunk, lanes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y (batch, L, dim), last (batch, dim, N), starts (batch, n_chunks - 1, dim, N))."""
+def _opt(t: torch.Tensor) -> torch.Tensor | None:
+    """An op's optional output: empty (0,) stands for None (ops cannot return None)."""
+    return None if t.dim() == 1 and t.numel() == 0 else t
+
+
+# The kernel as torch ops: memfit::scan_fwd and memfit::scan_bwd. They take the tensors as the kernel reads
+# them (see _kernel_inputs) and return what it writes, per-step outputs as (batch, L, dim) tensors and the
+# parameter gradients as per-thread partial sums; the fake implementations make the same outputs from the
+# same functions (_scan_fwd_outputs, _scan_bwd_outputs), so FakeTensorMode and memfit's estimator see
+# every allocation and torch.compile traces through them. ``lanes`` (the kernel's path) and ``nthreads``
+# are arguments, so an op's outputs follow from its arguments alone. The casts around them run as torch
+# ops in _FusedScan (the autograd.Function below), which saves the scan's own arguments for backward and
+# casts again there, as the kernel wants them: register_autograd's context could only save the op's
+# inputs, i.e. keep cast copies (fp32 B/C under bf16 autocast) alive from forward to backward.
+
+
+def _scan_args(u, delta, A2, B, C, D, z, delta_bias, softplus, chunk, lanes, nthreads) -> _K.ScanArgs:
+    """The kernel's arguments (both directions) from kernel-ready tensors (all but the outputs)."""
     batch, dim, L = u.shape
-    N, cd = A.shape[1], compute_dtype(u)
-    y = _new_out(u, cd, lanes)
+    a = _K.ScanArgs(batch=batch, dim=dim, L=L, N=A2.shape[1], T=chunk, softplus=int(softplus),
+                    lanes=int(lanes), nthreads=nthreads)  # fmt: skip
+    a.sB, a.gsB = _bc_strides(B, dim)
+    a.sC, a.gsC = _bc_strides(C, dim)
+    a.u, a.delta, a.z, a.D, a.bias, a.A2, a.B, a.C = map(_K.ptr, (u, delta, z, D, delta_bias, A2, B, C))
+    a.su, a.sdl, a.sz = _K.bdl(u), _K.bdl(delta), _K.bdl(z)
+    a.bfm = _bf16(u, _BF_U) | _bf16(delta, _BF_DELTA) | _bf16(z, _BF_Z)
+    return a
+
+
+def _scan_fwd_outputs(u, A2, chunk) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (batch, L, dim) in u's dtype (bf16 or the compute dtype), last (batch, dim, N), starts
+    (batch, n_chunks - 1, dim, N))."""
+    batch, dim, L = u.shape
+    N, cd = A2.shape[1], A2.dtype
+    y = u.new_empty((batch, L, dim))
     starts = u.new_empty((batch, (L + chunk - 1) // chunk - 1, dim, N), dtype=cd)
     last = u.new_empty((batch, dim, N), dtype=cd)
     return y, last, starts
 
 
-@torch.library.custom_op("memfit::scan_fwd", mutates_args=(), device_types="cpu")
+# the fused ops' tags: torch.compile passes them the strides eager mode gives (the lane path's layout)
+OP_TAGS = (torch.Tag.needs_fixed_stride_order,)
+
+
+@torch.library.custom_op("memfit::scan_fwd", mutates_args=(), device_types="cpu", tags=OP_TAGS)
 def _scan_fwd(
-    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    u: torch.Tensor, delta: torch.Tensor, A2: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None, delta_softplus: bool,
     chunk: int, lanes: bool, nthreads: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The fused scan's forward: (y (batch, L, dim), last state, the states entering chunks 1..)."""
-    cd = compute_dtype(u)
-    a, keep, bits = _scan_args(
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk, lanes, nthreads, cd
-    )
-    y, last, starts = _scan_fwd_outputs(u, A, chunk, lanes)
-    y_bdl = y.transpose(1, 2)
-    a.y, a.sy, a.starts, a.last = y.data_ptr(), _K.bdl(y_bdl), starts.data_ptr(), last.data_ptr()
-    a.bfm = bits | (_BF_Y if y.dtype == torch.bfloat16 else 0)
-    _K.call(f"scan_fwd_{sfx(cd)}", a)
-    del keep
+    a = _scan_args(u, delta, A2, B, C, D, z, delta_bias, delta_softplus, chunk, lanes, nthreads)
+    y, last, starts = _scan_fwd_outputs(u, A2, chunk)
+    a.y, a.sy, a.starts, a.last = y.data_ptr(), _K.bdl(y.transpose(1, 2)), starts.data_ptr(), last.data_ptr()
+    a.bfm |= _bf16(y, _BF_Y)
+    _K.call(f"scan_fwd_{sfx(A2.dtype)}", a)
     return y, last, starts
 
 
 @_scan_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk, lanes, nthreads):
-    return _scan_fwd_outputs(u, A, chunk, lanes)
+def _(u, delta, A2, B, C, D, z, delta_bias, delta_softplus, chunk, lanes, nthreads):
+    return _scan_fwd_outputs(u, A2, chunk)
 
 
-def _scan_bwd_outputs(u, delta, A, B, C, D, z, delta_bias, lanes, nthreads) -> tuple:
-    """(du, ddelta, dz: (batch, L, dim); per-thread dA (nth, dim, N), dB, dC (see _grad_accumulator),
-    dD, dbias (nth, dim)); absent ones (no z, D, delta_bias) are empty."""
-    cd = compute_dtype(u)
-    dim, N = A.shape
-    nth = max(1, min(nthreads, u.shape[0] * dim))
-    empty = u.new_empty(0, dtype=cd)
-    du, ddelta = _new_out(u, cd, lanes), _new_out(delta, cd, lanes)
-    dz = _new_out(z, cd, lanes) if z is not None else empty
-    dA = u.new_zeros((nth, dim, N), dtype=cd)
+def _scan_bwd_outputs(u, delta, A2, B, C, D, z, delta_bias, nthreads) -> tuple:
+    """(du, ddelta, dz: (batch, L, dim) in u's, delta's, z's dtype; per-thread dA (nth, dim, N), dB, dC
+    (see _grad_accumulator), dD, dbias (nth, dim)); absent ones (no z, D, delta_bias) are empty."""
+    cd = A2.dtype
+    batch, dim, L = u.shape
+    nth = max(1, min(nthreads, batch * dim))
+    du, ddelta = u.new_empty((batch, L, dim)), delta.new_empty((batch, L, dim))
+    dz = z.new_empty((batch, L, dim)) if z is not None else u.new_empty(0, dtype=cd)
+    dA = u.new_zeros((nth, *A2.shape), dtype=cd)
     dB, dC = _grad_accumulator(B, nth, cd), _grad_accumulator(C, nth, cd)
-    dD = u.new_zeros((nth, dim), dtype=cd) if D is not None else empty
-    dbias = u.new_zeros((nth, dim), dtype=cd) if delta_bias is not None else empty
+    dD = u.new_zeros((nth, dim), dtype=cd) if D is not None else u.new_empty(0, dtype=cd)
+    dbias = u.new_zeros((nth, dim), dtype=cd) if delta_bias is not None else u.new_empty(0, dtype=cd)
     return du, ddelta, dz, dA, dB, dC, dD, dbias
 
 
-@torch.library.custom_op("memfit::scan_bwd", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("memfit::scan_bwd", mutates_args=(), device_types="cpu", tags=OP_TAGS)
 def _scan_bwd(
-    u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-    D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None, delta_softplus: bool,
-    chunk: int, lanes: bool, nthreads: int, starts: torch.Tensor, dout: torch.Tensor | None,
-    dlast: torch.Tensor | None,
+    u: torch.Tensor, delta: torch.Tensor, A2: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+    C: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None, delta_bias: torch.Tensor | None,
+    delta_softplus: bool, chunk: int, lanes: bool, nthreads: int, starts: torch.Tensor,
+    dout: torch.Tensor | None, dlast: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
            torch.Tensor]:  # fmt: skip
-    """The fused scan's backward from the forward's ``starts`` and the gradients of y ((batch, dim, L))
-    and of the last state (None: zero): see _scan_bwd_outputs."""
-    cd = compute_dtype(u)
-    outs = _scan_bwd_outputs(u, delta, A, B, C, D, z, delta_bias, lanes, nthreads)
+    """The fused scan's backward from the forward's ``starts`` and the gradients of y (batch, dim, L) and of
+    the last state (None: zero): see _scan_bwd_outputs."""
+    outs = _scan_bwd_outputs(u, delta, A2, B, C, D, z, delta_bias, nthreads)
     du, ddelta, dz, dA, dB, dC, dD, dbias = outs
-    a, keep, bits = _scan_args(
-        u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk, lanes, nthreads, cd
-    )
-    go, bf_go = _kernel_in(dout, cd, lanes)
-    dl_last = _cd_or_none(dlast, cd, True)
-    a.nthreads = dA.shape[0]
-    a.starts, a.dlast, a.dout, a.sdo = starts.data_ptr(), _K.ptr(dl_last), _K.ptr(go), _K.bdl(go)
+    a = _scan_args(u, delta, A2, B, C, D, z, delta_bias, delta_softplus, chunk, lanes, dA.shape[0])
+    a.A, a.starts, a.dlast = A.data_ptr(), starts.data_ptr(), _K.ptr(dlast)
+    a.dout, a.sdo = _K.ptr(dout), _K.bdl(dout)
     a.du, a.ddelta, a.dA, a.dB, a.dC = (t.data_ptr() for t in (du, ddelta, dA, dB, dC))
+    a.dD, a.dbias = _K.ptr(_opt(dD)), _K.ptr(_opt(dbias))
     a.sdu, a.sdd = _K.bdl(du.transpose(1, 2)), _K.bdl(ddelta.transpose(1, 2))
-    a.pB, a.pC = _accumulator_strides(dB), _accumulator_strides(dC)
     if z is not None:
         a.dz, a.sdz = dz.data_ptr(), _K.bdl(dz.transpose(1, 2))
-    a.dD, a.dbias = _K.ptr(_none_if_empty(dD)), _K.ptr(_none_if_empty(dbias))
-    bf_out = {_BF_DU: du, _BF_DDELTA: ddelta, _BF_DZ: dz}
-    a.bfm = bits | (_BF_DOUT if bf_go else 0) | sum(b for b, t in bf_out.items() if t.dtype == torch.bfloat16)
-    _K.call(f"scan_bwd_{sfx(cd)}", a)
-    del keep
+    a.pB, a.pC = _accumulator_strides(dB), _accumulator_strides(dC)
+    a.bfm |= _bf16(dout, _BF_DOUT) | _bf16(du, _BF_DU) | _bf16(ddelta, _BF_DDELTA) | _bf16(_opt(dz), _BF_DZ)
+    _K.call(f"scan_bwd_{sfx(A2.dtype)}", a)
     return outs
 
 
 @_scan_bwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk, lanes, nthreads, starts, dout, dlast):
-    return _scan_bwd_outputs(u, delta, A, B, C, D, z, delta_bias, lanes, nthreads)
+def _(u, delta, A2, A, B, C, D, z, delta_bias, delta_softplus, chunk, lanes, nthreads, starts, dout, dlast):
+    return _scan_bwd_outputs(u, delta, A2, B, C, D, z, delta_bias, nthreads)
 
 
-def _scan_fwd_setup(ctx, inputs, output) -> None:
-    u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk, _, _ = inputs
-    ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, output[2])
-    ctx.delta_softplus, ctx.chunk = delta_softplus, chunk
-    ctx.mark_non_differentiable(output[2])
-    ctx.set_materialize_grads(False)
+def _kernel_inputs(u, delta, A, B, C, D, z, delta_bias, lanes: bool) -> tuple:
+    """The scan's arguments as the kernel reads them: (u, delta, z (see _kernel_in), A (dim, N) and A2 (A
+    * log2(e) in fp32 for its exp2, A in fp64) contiguous, B and C with N contiguous, D, delta_bias
+    contiguous), all in the compute dtype but bf16 per-step tensors on the lane path."""
+    cd = compute_dtype(u)
+    Ac = A.to(cd).contiguous()
+    A2 = (Ac * (_LOG2E if cd == torch.float32 else 1.0)).contiguous()
+    uc, dl, zc = (_kernel_in(x, cd, lanes) for x in (u, delta, z))
+    Dc, bias = _cd_or_none(D, cd, True), _cd_or_none(delta_bias, cd, True)
+    return uc, dl, zc, Ac, A2, _bc_kernel(B, cd), _bc_kernel(C, cd), Dc, bias
 
 
-def _scan_fwd_backward(ctx, dy, dlast, _dstarts):
-    u, delta, A, B, C, D, z, delta_bias, starts = ctx.saved_tensors
-    with torch.autocast(device_type=u.device.type, enabled=False):
-        dout = dy.transpose(1, 2) if dy is not None else None
-        lanes = _lane_path_fits(B, C, u.shape[1], sfx(compute_dtype(u)), u, delta, z, dout)
-        nth = torch.get_num_threads()
-        du, ddelta, dz, dA, dB, dC, dD, dbias = _scan_bwd(
-            u,
-            delta,
-            A,
-            B,
-            C,
-            D,
-            z,
-            delta_bias,
-            ctx.delta_softplus,
-            ctx.chunk,
-            lanes,
-            nth,
-            starts,
-            dout,
-            dlast,
-        )
+class _FusedScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk_size):
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            T = min(chunk_size, u.shape[2])
+            cd = compute_dtype(u)
+            lanes = _lane_path_fits(B, C, u.shape[1], sfx(cd), u, delta, z)  # the casts keep channel strides
+            uc, dl, zc, _, A2, Bk, Ck, Dc, bias = _kernel_inputs(u, delta, A, B, C, D, z, delta_bias, lanes)
+            nth = torch.get_num_threads()
+            y, last, starts = _scan_fwd(uc, dl, A2, Bk, Ck, Dc, zc, bias, delta_softplus, T, lanes, nth)
+        ctx.delta_softplus = delta_softplus
+        ctx.chunk_size = T
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, starts)
+        ctx.set_materialize_grads(False)
+        return y.transpose(1, 2).to(u.dtype), last
+
+    @staticmethod
+    def backward(ctx, dout, dlast):
+        u, delta, A, B, C, D, z, delta_bias, starts = ctx.saved_tensors
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            cd = compute_dtype(u)
+            lanes = _lane_path_fits(B, C, u.shape[1], sfx(cd), u, delta, z, dout)  # either path continues
+            uc, dl, zc, Ac, A2, Bk, Ck, Dc, bias = _kernel_inputs(u, delta, A, B, C, D, z, delta_bias, lanes)
+            go, dl_last = _kernel_in(dout, cd, lanes), _cd_or_none(dlast, cd, True)
+            du, ddelta, dz, dA, dB, dC, dD, dbias = _scan_bwd(
+                uc, dl, A2, Ac, Bk, Ck, Dc, zc, bias, ctx.delta_softplus, ctx.chunk_size, lanes,
+                torch.get_num_threads(), starts, go, dl_last,
+            )  # fmt: skip
 
         def cast(g, like):
             return None if g is None or like is None else g.to(like.dtype)
@@ -716,26 +713,17 @@ def _scan_fwd_backward(ctx, dy, dlast, _dstarts):
             cast(total(dA), A),
             cast(_grad_from_accumulator(dB, B), B),
             cast(_grad_from_accumulator(dC, C), C),
-            cast(total(_none_if_empty(dD)), D),
+            cast(total(_opt(dD)), D),
             cast(dz.transpose(1, 2) if z is not None else None, z),
-            cast(total(_none_if_empty(dbias)), delta_bias),
-            None,
-            None,
+            cast(total(_opt(dbias)), delta_bias),
             None,
             None,
         )
 
 
-_scan_fwd.register_autograd(_scan_fwd_backward, setup_context=_scan_fwd_setup)
-
-
 def _fused_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk):
-    """The scan on the fused CPU kernel: (out (batch, dim, L) in u's dtype, last state)."""
-    with torch.autocast(device_type=u.device.type, enabled=False):
-        lanes = _lane_path_fits(B, C, u.shape[1], sfx(compute_dtype(u)), u, delta, z)
-        nth = torch.get_num_threads()
-        y, last, _ = _scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk, lanes, nth)
-        return y.transpose(1, 2).to(u.dtype), last
+    """The scan on the fused CPU kernel: (out (batch, dim, L) in u's dtype, last state (batch, dim, N))."""
+    return _FusedScan.apply(u, delta, A, B, C, D, z, delta_bias, delta_softplus, chunk)
 
 
 def _use_fused_cpu(u: torch.Tensor, N: int) -> bool:
