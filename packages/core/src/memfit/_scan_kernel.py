@@ -135,6 +135,20 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+# torch.compile takes these three as constants (it cannot trace a build or a ctypes call)
+@torch.compiler.assume_constant_result
+def threads() -> int:
+    """Threads the kernels split their work over: torch's (fixed when a graph is compiled)."""
+    return torch.get_num_threads()
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the kernel is built (or can be now)."""
+    return library() is not None
+
+
+@torch.compiler.assume_constant_result
 def lanes(sfx: str) -> int:
     """Channels per work item of the kernel's channel-lane path ("f32" or "f64")."""
     return getattr(library(), f"scan_lanes_{sfx}")()

@@ -67,7 +67,7 @@ class MambaConfig:
 def _fused_cpu(x: torch.Tensor) -> bool:
     """CPU tensors with the fused kernels built (memfit/_scan_kernel.c). Fake tensors (memory estimates)
     take it too: the conv ops' fake implementations make the outputs the kernel makes."""
-    return x.device.type == "cpu" and _K.library() is not None
+    return x.device.type == "cpu" and _K.available()
 
 
 # The fused depthwise causal conv1d + SiLU as torch ops, memfit::conv_fwd and memfit::conv_bwd, on the
@@ -135,7 +135,7 @@ class _ConvSiLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         xt, wt, b = _conv_inputs(x, weight, bias)
-        u = _conv_fwd(xt, wt, b, torch.get_num_threads())
+        u = _conv_fwd(xt, wt, b, _K.threads())
         ctx.save_for_backward(x, weight, bias)
         return u.to(x.dtype).transpose(1, 2)
 
@@ -144,7 +144,7 @@ class _ConvSiLU(torch.autograd.Function):
         x, weight, bias = ctx.saved_tensors
         xt, wt, b = _conv_inputs(x, weight, bias)
         gut = gu.transpose(1, 2).to(xt.dtype).contiguous()
-        gx, gw, gb = _conv_bwd(xt, wt, b, gut, torch.get_num_threads())
+        gx, gw, gb = _conv_bwd(xt, wt, b, gut, _K.threads())
         gw = gw.sum(0).t().reshape(weight.shape).to(weight.dtype)
         gb = gb.sum(0).to(bias.dtype) if bias is not None else None
         return gx.to(x.dtype).transpose(1, 2), gw, gb

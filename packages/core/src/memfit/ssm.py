@@ -680,7 +680,7 @@ class _FusedScan(torch.autograd.Function):
             cd = compute_dtype(u)
             lanes = _lane_path_fits(B, C, u.shape[1], sfx(cd), u, delta, z)  # the casts keep channel strides
             uc, dl, zc, _, A2, Bk, Ck, Dc, bias = _kernel_inputs(u, delta, A, B, C, D, z, delta_bias, lanes)
-            nth = torch.get_num_threads()
+            nth = _K.threads()
             y, last, starts = _scan_fwd(uc, dl, A2, Bk, Ck, Dc, zc, bias, delta_softplus, T, lanes, nth)
         ctx.delta_softplus = delta_softplus
         ctx.chunk_size = T
@@ -698,7 +698,7 @@ class _FusedScan(torch.autograd.Function):
             go, dl_last = _kernel_in(dout, cd, lanes), _cd_or_none(dlast, cd, True)
             du, ddelta, dz, dA, dB, dC, dD, dbias = _scan_bwd(
                 uc, dl, A2, Ac, Bk, Ck, Dc, zc, bias, ctx.delta_softplus, ctx.chunk_size, lanes,
-                torch.get_num_threads(), starts, go, dl_last,
+                _K.threads(), starts, go, dl_last,
             )  # fmt: skip
 
         def cast(g, like):
@@ -733,7 +733,7 @@ def _use_fused_cpu(u: torch.Tensor, N: int) -> bool:
     also holds about four (batch, chunk, N, dim) buffers)."""
     if u.device.type != "cpu":
         return False
-    return N <= _K.NMAX and _K.library() is not None
+    return N <= _K.NMAX and _K.available()
 
 
 def _use_mamba_kernel(u: torch.Tensor) -> bool:
