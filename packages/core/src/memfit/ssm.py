@@ -320,7 +320,7 @@ class _ChunkedScan(torch.autograd.Function):
         ctx.chunk_size = T
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, starts)
         ctx.set_materialize_grads(False)
-        return y.to(u.dtype), last
+        return _to(y, u.dtype), last
 
     @staticmethod
     def backward(ctx, dout, dlast):
@@ -541,6 +541,15 @@ def _kernel_in(x: torch.Tensor | None, cd: torch.dtype, lanes: bool) -> torch.Te
     return cast_bdl(x, cd)
 
 
+def _to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype: x itself when it has it. An autograd.Function's forward must return its outputs this way,
+    not as ``x.to(dtype)``: under torch.compile, dynamo records the no-op ``to`` as a second node, and at run
+    time the function then returns one tensor object as both the output and a saved intermediate; autograd
+    keeps the last of the two, so the output's gradient arrives in the intermediate's slot and the output's
+    own backward sees none (every gradient below the scan zero, torch 2.11)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def sfx(cd: torch.dtype) -> str:
     """The fused kernels' suffix for compute dtype cd."""
     return "f64" if cd == torch.float64 else "f32"
@@ -686,7 +695,7 @@ class _FusedScan(torch.autograd.Function):
         ctx.chunk_size = T
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, starts)
         ctx.set_materialize_grads(False)
-        return y.transpose(1, 2).to(u.dtype), last
+        return _to(y.transpose(1, 2), u.dtype), last
 
     @staticmethod
     def backward(ctx, dout, dlast):
