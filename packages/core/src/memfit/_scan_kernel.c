@@ -29,11 +29,16 @@
 
 typedef int64_t i64;
 
+/* Every helper and the per-item bodies are inlined into the loops that call them, whatever the optimisation
+ * level: at -O2 (the build's level: -O3 took ten times as long to compile and was no faster) gcc otherwise
+ * keeps some lane helpers (lgather, vexp2) as calls inside the per-step loop. */
+#define INLINE static inline __attribute__((always_inline))
+
 #define NMAX 64 /* largest state size N the kernel takes (memfit.ssm checks) */
 
 /* fp32 lanes: 2^x as 2^k * 2^f, k = round(x), |f| <= 1/2, 2^f by its degree-7 Taylor polynomial in
  * f*ln2 (relative error < 1e-8 before rounding). Branch-free, so loops over N or over a chunk vectorise. */
-static inline float exp2_f32(float x) {
+INLINE float exp2_f32(float x) {
     x = x < -125.0f ? -125.0f : (x > 125.0f ? 125.0f : x);
     float k = __builtin_floorf(x + 0.5f);
     float f = (x - k) * 0.6931471805599453f;
@@ -45,11 +50,11 @@ static inline float exp2_f32(float x) {
     return p * s;
 }
 
-static inline float sigmoid_f32(float x) { return 1.0f / (1.0f + exp2_f32(-1.4426950408889634f * x)); }
+INLINE float sigmoid_f32(float x) { return 1.0f / (1.0f + exp2_f32(-1.4426950408889634f * x)); }
 
 /* softplus(x) = max(x, 0) + log1p(y), y = exp(-|x|) in (0, 1]; log1p(y) = 2 atanh(s), s = y / (2 + y)
  * <= 1/3, by its series to s^15 (relative error < 2e-8). */
-static inline float softplus_f32(float x) {
+INLINE float softplus_f32(float x) {
     float y = exp2_f32(-1.4426950408889634f * fabsf(x));
     float s = y / (2.0f + y), q = s * s;
     float p = 1.0f + q * (1.0f / 3 + q * (1.0f / 5 + q * (1.0f / 7 + q * (1.0f / 9 + q * (1.0f / 11 +
@@ -58,9 +63,9 @@ static inline float softplus_f32(float x) {
 }
 
 /* fp64 (tests, exactness): libm, and A2 holds A itself; softplus with torch's threshold of 20. */
-static inline double exp2_f64(double x) { return exp(x); }
-static inline double sigmoid_f64(double x) { return 1.0 / (1.0 + exp(-x)); }
-static inline double softplus_f64(double x) { return x > 20.0 ? x : log1p(exp(x)); }
+INLINE double exp2_f64(double x) { return exp(x); }
+INLINE double sigmoid_f64(double x) { return 1.0 / (1.0 + exp(-x)); }
+INLINE double softplus_f64(double x) { return x > 20.0 ? x : log1p(exp(x)); }
 
 /* Lane vectors for the channel-lane path (GCC/Clang vector extensions): 16 fp32 lanes (one AVX-512
  * register) or 8 where the CPU has no AVX-512; fp64 has half as many. */
@@ -74,13 +79,13 @@ typedef float vf32 __attribute__((vector_size(LANES32 * 4)));
 typedef int32_t vi32 __attribute__((vector_size(LANES32 * 4)));
 typedef double vf64 __attribute__((vector_size(LANES64 * 8)));
 
-static inline vf32 vsel_f32(vi32 m, vf32 a, vf32 b) { return (vf32)((m & (vi32)a) | (~m & (vi32)b)); }
+INLINE vf32 vsel_f32(vi32 m, vf32 a, vf32 b) { return (vf32)((m & (vi32)a) | (~m & (vi32)b)); }
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 /* exp2_f32 on 16 lanes with AVX-512: the same clamp, reduction and polynomial; k = round(x) by
  * vrndscaleps and 2^k applied by vscalefps (no integer round trip: 12 instructions instead of ~18) */
-static inline vf32 vexp2_f32(vf32 x) {
+INLINE vf32 vexp2_f32(vf32 x) {
     /* max/min return their second operand when one is NaN: x second, so NaN stays NaN (as the generic
      * version and torch.exp) instead of becoming 2^-125 */
     const __m512 xc = _mm512_min_ps(_mm512_set1_ps(125.0f), _mm512_max_ps(_mm512_set1_ps(-125.0f), (__m512)x));
@@ -93,7 +98,7 @@ static inline vf32 vexp2_f32(vf32 x) {
 #else
 /* exp2_f32 on every lane: the same reduction and polynomial (k = round(x) taken as trunc(x + 128.5) -
  * 128, exact in integers, so the compiler cannot reassociate it) */
-static inline vf32 vexp2_f32(vf32 x) {
+INLINE vf32 vexp2_f32(vf32 x) {
     const vf32 lo = (vf32){0} - 125.0f, hi = lo + 250.0f;
     x = vsel_f32(x < lo, lo, x);
     x = vsel_f32(x > hi, hi, x);
@@ -105,10 +110,10 @@ static inline vf32 vexp2_f32(vf32 x) {
 }
 #endif
 
-static inline vf32 vsigmoid_f32(vf32 x) { return 1.0f / (1.0f + vexp2_f32(-1.4426950408889634f * x)); }
+INLINE vf32 vsigmoid_f32(vf32 x) { return 1.0f / (1.0f + vexp2_f32(-1.4426950408889634f * x)); }
 
 /* softplus(x) = max(x, 0) + log1p(y), as softplus_f32, with y = exp(-|x|) into *y */
-static inline vf32 vsoftplus_y_f32(vf32 x, vf32 *y_out) {
+INLINE vf32 vsoftplus_y_f32(vf32 x, vf32 *y_out) {
     const vf32 ax = (vf32)((vi32)x & 0x7fffffff);
     const vf32 y = vexp2_f32(-1.4426950408889634f * ax);
     const vf32 s = y / (2.0f + y), q = s * s;
@@ -118,13 +123,13 @@ static inline vf32 vsoftplus_y_f32(vf32 x, vf32 *y_out) {
     return vsel_f32(x > 0.0f, x, (vf32){0}) + 2.0f * s * p;
 }
 
-static inline vf32 vsoftplus_f32(vf32 x) {
+INLINE vf32 vsoftplus_f32(vf32 x) {
     vf32 y;
     return vsoftplus_y_f32(x, &y);
 }
 
 /* softplus(x) and, into *sg, sigmoid(x) = (x > 0 ? 1 : y) / (1 + y) from the same y = exp(-|x|) */
-static inline vf32 vsoftplus_sig_f32(vf32 x, vf32 *sg) {
+INLINE vf32 vsoftplus_sig_f32(vf32 x, vf32 *sg) {
     vf32 y;
     const vf32 sp = vsoftplus_y_f32(x, &y);
     *sg = vsel_f32(x > 0.0f, (vf32){0} + 1.0f, y) / (1.0f + y);
@@ -132,19 +137,19 @@ static inline vf32 vsoftplus_sig_f32(vf32 x, vf32 *sg) {
 }
 
 /* fp64 lanes: libm per lane (tests, exactness; speed does not matter there) */
-static inline vf64 vexp2_f64(vf64 x) {
+INLINE vf64 vexp2_f64(vf64 x) {
     for (int l = 0; l < LANES64; l++) x[l] = exp(x[l]);
     return x;
 }
-static inline vf64 vsigmoid_f64(vf64 x) {
+INLINE vf64 vsigmoid_f64(vf64 x) {
     for (int l = 0; l < LANES64; l++) x[l] = sigmoid_f64(x[l]);
     return x;
 }
-static inline vf64 vsoftplus_f64(vf64 x) {
+INLINE vf64 vsoftplus_f64(vf64 x) {
     for (int l = 0; l < LANES64; l++) x[l] = softplus_f64(x[l]);
     return x;
 }
-static inline vf64 vsoftplus_sig_f64(vf64 x, vf64 *sg) {
+INLINE vf64 vsoftplus_sig_f64(vf64 x, vf64 *sg) {
     *sg = vsigmoid_f64(x);
     return vsoftplus_f64(x);
 }
@@ -158,7 +163,7 @@ static inline vf64 vsoftplus_sig_f64(vf64 x, vf64 *sg) {
 #endif
 #endif
 #ifdef LANE_TREE16
-static inline vf32 tree16_f32(const vf32 *r) {
+INLINE vf32 tree16_f32(const vf32 *r) {
 #define SH_ __builtin_shufflevector
     vf32 c[8], d[4], e[2];
     for (int i = 0; i < 8; i++)
@@ -210,14 +215,14 @@ enum { BF_U = 1, BF_DELTA = 2, BF_Z = 4, BF_DOUT = 8, BF_Y = 16, BF_DU = 32, BF_
 #define BF_AUTOCAST_FWD (BF_U | BF_DELTA | BF_Z | BF_Y)
 #define BF_AUTOCAST_BWD (BF_U | BF_DELTA | BF_Z | BF_DOUT | BF_DU | BF_DDELTA | BF_DZ)
 
-static inline float bf16_f32(uint16_t h) {
+INLINE float bf16_f32(uint16_t h) {
     const uint32_t b = (uint32_t)h << 16;
     float f;
     memcpy(&f, &b, sizeof f);
     return f;
 }
 
-static inline uint16_t f32_bf16(float f) {
+INLINE uint16_t f32_bf16(float f) {
     uint32_t b;
     memcpy(&b, &f, sizeof b);
     const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
@@ -225,7 +230,7 @@ static inline uint16_t f32_bf16(float f) {
 }
 
 /* a whole lane vector of bf16 from / to p (contiguous) */
-static inline vf32 vload_bf16_f32(const uint16_t *p) {
+INLINE vf32 vload_bf16_f32(const uint16_t *p) {
 #if defined(__AVX512F__) && LANES32 == 16
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return (vf32)_mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -236,7 +241,7 @@ static inline vf32 vload_bf16_f32(const uint16_t *p) {
 #endif
 }
 
-static inline void vstore_bf16_f32(uint16_t *p, vf32 v) {
+INLINE void vstore_bf16_f32(uint16_t *p, vf32 v) {
     /* integer rounding, not AVX512-BF16's vcvtneps2bf16, which flushes subnormals to zero */
 #if defined(__AVX512BW__) && LANES32 == 16
     const __m512i b = _mm512_castps_si512((__m512)v);
@@ -250,13 +255,13 @@ static inline void vstore_bf16_f32(uint16_t *p, vf32 v) {
 #endif
 }
 
-static inline vf64 vload_bf16_f64(const uint16_t *p) {
-    vf64 v;
+INLINE vf64 vload_bf16_f64(const uint16_t *p) {
+    vf64 v = {0};
     for (int l = 0; l < LANES64; l++) v[l] = bf16_f32(p[l]);
     return v;
 }
 
-static inline void vstore_bf16_f64(uint16_t *p, vf64 v) {
+INLINE void vstore_bf16_f64(uint16_t *p, vf64 v) {
     for (int l = 0; l < LANES64; l++) p[l] = f32_bf16((float)v[l]);
 }
 
@@ -268,7 +273,7 @@ typedef struct {
     i64 b, d, g, t;
 } Strides;
 
-static inline i64 at(Strides s, i64 b, i64 d, i64 t) { return b * s.b + d * s.d + t * s.t; }
+INLINE i64 at(Strides s, i64 b, i64 d, i64 t) { return b * s.b + d * s.d + t * s.t; }
 
 /* The arguments of scan_fwd_* and scan_bwd_*, mirrored field by field by memfit._scan_kernel.ScanArgs
  * (scan_abi() lets it check the layout). Data pointers are REAL (fp32 or fp64 by the function's suffix),

@@ -55,19 +55,21 @@ typedef struct {
 /* ---- sequence path: a work item is one (b, d) sequence, its state an N-vector */
 
 /* dt (and raw = delta + bias) and u of steps s..s+k of item (b, d) into chunk arrays */
-static inline void gather(const Args *a, i64 b, i64 d, i64 s, i64 k, REAL *raw, REAL *dt, REAL *u) {
+INLINE void gather(const Args *a, i64 b, i64 d, i64 s, i64 k, REAL *raw, REAL *dt, REAL *u) {
     const REAL bias = a->bias ? a->bias[d] : 0;
     for (i64 j = 0; j < k; j++) {
         raw[j] = a->delta[at(a->sdl, b, d, s + j)] + bias;
         u[j] = a->u[at(a->su, b, d, s + j)];
     }
-    if (a->softplus)
+    if (a->softplus) {
+        #pragma omp simd
         for (i64 j = 0; j < k; j++) dt[j] = SOFTPLUS(raw[j]);
-    else
-        for (i64 j = 0; j < k; j++) dt[j] = raw[j];
+    } else {
+        memcpy(dt, raw, k * sizeof(REAL));
+    }
 }
 
-static inline __attribute__((always_inline)) void fwd_item(const Args *a, i64 item, const i64 N) {
+INLINE void fwd_item(const Args *a, i64 item, const i64 N) {
     const i64 b = item / a->dim, d = item % a->dim, L = a->L, T = a->T;
     const i64 nch = (L + T - 1) / T;
     const REAL *A2 = a->A2 + d * N, Dd = a->D ? a->D[d] : 0;
@@ -96,6 +98,7 @@ static inline __attribute__((always_inline)) void fwd_item(const Args *a, i64 it
         }
         if (a->z) {
             for (i64 j = 0; j < k; j++) zc[j] = a->z[at(a->sz, b, d, s + j)];
+            #pragma omp simd
             for (i64 j = 0; j < k; j++) y[j] *= zc[j] * SIGMOID(zc[j]);
         }
         for (i64 j = 0; j < k; j++) a->y[at(a->sy, b, d, s + j)] = y[j];
@@ -104,7 +107,7 @@ static inline __attribute__((always_inline)) void fwd_item(const Args *a, i64 it
     for (i64 n = 0; n < N; n++) last[n] = h[n];
 }
 
-static inline __attribute__((always_inline)) void bwd_item(const Args *a, i64 item, const i64 N) {
+INLINE void bwd_item(const Args *a, i64 item, const i64 N) {
     const i64 b = item / a->dim, d = item % a->dim, L = a->L, T = a->T, th = a->th;
     const i64 nch = (L + T - 1) / T;
     const REAL *A2 = a->A2 + d * N, *Ar = a->A + d * N, Dd = a->D ? a->D[d] : 0;
@@ -149,6 +152,7 @@ static inline __attribute__((always_inline)) void bwd_item(const Args *a, i64 it
         /* the gate: dy = d loss / d (C.h + D u), dz */
         if (a->z) {
             for (i64 j = 0; j < k; j++) zc[j] = a->z[at(a->sz, b, d, s + j)];
+            #pragma omp simd
             for (i64 j = 0; j < k; j++) {
                 const REAL sg = SIGMOID(zc[j]);
                 dy[j] = go[j] * zc[j] * sg;
@@ -158,6 +162,7 @@ static inline __attribute__((always_inline)) void bwd_item(const Args *a, i64 it
         } else {
             for (i64 j = 0; j < k; j++) dy[j] = go[j];
         }
+        #pragma omp simd reduction(+ : dDl)
         for (i64 j = 0; j < k; j++) {
             dDl += dy[j] * u[j];
             du[j] = dy[j] * Dd;
@@ -184,8 +189,10 @@ static inline __attribute__((always_inline)) void bwd_item(const Args *a, i64 it
             du[j] += W * dt[j];
             dd[j] = W * u[j] + ddt;
         }
-        if (a->softplus)
+        if (a->softplus) {
+            #pragma omp simd
             for (i64 j = 0; j < k; j++) dd[j] *= SIGMOID(raw[j]);
+        }
         for (i64 j = 0; j < k; j++) {
             dbl += dd[j];
             a->du[at(a->sdu, b, d, s + j)] = du[j];
@@ -198,7 +205,9 @@ static inline __attribute__((always_inline)) void bwd_item(const Args *a, i64 it
     if (a->dbias) a->dbias[th * a->dim + d] += dbl;
 }
 
-static void *fwd_range(void *p) {
+/* the sequence path at -O3 (the rest of the file is built at -O2): its N-loops are omp simd loops over
+ * arrays of N, which only -O3's complete peeling keeps in registers once vectorised (-O2: 35% slower) */
+__attribute__((optimize("O3"))) static void *fwd_range(void *p) {
     const Args *a = p;
 #if SPECIALIZE
     if (a->N == 16) {
@@ -210,7 +219,7 @@ static void *fwd_range(void *p) {
     return NULL;
 }
 
-static void *bwd_range(void *p) {
+__attribute__((optimize("O3"))) static void *bwd_range(void *p) {
     const Args *a = p;
 #if SPECIALIZE
     if (a->N == 16) {
@@ -229,14 +238,14 @@ static void *bwd_range(void *p) {
  * finite and every gradient they add zero. */
 typedef REAL VecU __attribute__((vector_size(sizeof(VEC)), aligned(sizeof(REAL))));
 
-static inline VEC lgather(const REAL *p, i64 stride, int nl) {
+INLINE VEC lgather(const REAL *p, i64 stride, int nl) {
     VEC v = {0};
     if (nl == V && stride == 1) return *(const VecU *)p;
     for (int l = 0; l < nl; l++) v[l] = p[l * stride];
     return v;
 }
 
-static inline void lscatter(REAL *p, i64 stride, int nl, VEC v) {
+INLINE void lscatter(REAL *p, i64 stride, int nl, VEC v) {
     if (nl == V && stride == 1) {
         *(VecU *)p = v;
         return;
@@ -245,7 +254,7 @@ static inline void lscatter(REAL *p, i64 stride, int nl, VEC v) {
 }
 
 /* per-step tensor P at (b, d0.., t) as lanes, and back; bf: P holds bf16 */
-static inline VEC lat(const REAL *P, Strides S, i64 b, i64 d0, i64 t, int nl, int bf) {
+INLINE VEC lat(const REAL *P, Strides S, i64 b, i64 d0, i64 t, int nl, int bf) {
     const i64 o = at(S, b, d0, t);
     if (!bf) return lgather(P + o, S.d, nl);
     const uint16_t *p = (const uint16_t *)(const void *)P + o;
@@ -255,7 +264,7 @@ static inline VEC lat(const REAL *P, Strides S, i64 b, i64 d0, i64 t, int nl, in
     return v;
 }
 
-static inline void lst(REAL *P, Strides S, i64 b, i64 d0, i64 t, int nl, VEC v, int bf) {
+INLINE void lst(REAL *P, Strides S, i64 b, i64 d0, i64 t, int nl, VEC v, int bf) {
     const i64 o = at(S, b, d0, t);
     if (!bf) {
         lscatter(P + o, S.d, nl, v);
@@ -269,7 +278,7 @@ static inline void lst(REAL *P, Strides S, i64 b, i64 d0, i64 t, int nl, VEC v, 
     for (int l = 0; l < nl; l++) p[l * S.d] = f32_bf16((float)v[l]);
 }
 
-static inline __attribute__((always_inline)) void lfwd_item(const Args *a_, i64 item, const i64 N,
+INLINE void lfwd_item(const Args *a_, i64 item, const i64 N,
                                                             const int bfm) {
     /* a local copy: stores through the data pointers cannot change it, so its fields stay in registers */
     const Args args = *a_, *a = &args;
@@ -319,7 +328,7 @@ static inline __attribute__((always_inline)) void lfwd_item(const Args *a_, i64 
  * s..s+k. Recomputes the chunk's states into Hb and decays into Ab from the saved start, then walks back
  * from the state gradient g (G's row of the block, updated), writing dz, du, ddelta, adding dB_t / dC_t's
  * lane partials into P and dA's into dAT. */
-static inline __attribute__((always_inline)) void lbwd_block(const Args *a, VEC *work, i64 b, i64 j,
+INLINE void lbwd_block(const Args *a, VEC *work, i64 b, i64 j,
                                                              VEC *G, i64 c, i64 k, const i64 N,
                                                              const int bfm) {
     const i64 L = a->L, T = a->T, dim = a->dim, s = c * T, nch = (L + T - 1) / T, d0 = j * V;
@@ -408,7 +417,7 @@ static inline __attribute__((always_inline)) void lbwd_block(const Args *a, VEC 
  * block by block (lbwd_block). The sums over channels that dB_t and dC_t need are kept per lane in P (k
  * steps x 2N lane vectors, added to by every block) and reduced over lanes once per chunk. G holds each
  * block's state gradient between chunks. */
-static inline __attribute__((always_inline)) void lbwd_seg(const Args *a_, i64 b, i64 j0, i64 j1,
+INLINE void lbwd_seg(const Args *a_, i64 b, i64 j0, i64 j1,
                                                            const i64 N, const int bfm) {
     const Args args = *a_, *a = &args; /* a local copy, as in lfwd_item */
     const i64 L = a->L, T = a->T, th = a->th, dim = a->dim;
@@ -456,15 +465,16 @@ static void *lfwd_range(void *p) {
     const Args *a = p;
     lanes_of(a, a->A2, (VEC *)a->work);
 #if SPECIALIZE
-    /* N and "no bf16" as constants where it matters: the compiler then drops the bf16 branches */
+    /* N (16, 8) and the bf16 mask (none, or a Mamba block's under autocast) as constants where it matters:
+     * the compiler then drops the bf16 branches. Each copy costs build time (one with a runtime mask about
+     * 0.7 s at -O2), so N 16 with another mask runs the generic copy; N 8 keeps one for any mask, whose
+     * results then equal the fp32 copy's bit for bit (test_lane_path_bf16_inputs_equal_fp32_inputs_...) */
     if (a->N == 16 && !a->bfm)
         for (i64 i = a->lo; i < a->hi; i++) lfwd_item(a, i, 16, 0);
     else if (a->N == 8 && !a->bfm)
         for (i64 i = a->lo; i < a->hi; i++) lfwd_item(a, i, 8, 0);
     else if (a->N == 16 && a->bfm == BF_AUTOCAST_FWD) /* a Mamba block under bf16 autocast */
         for (i64 i = a->lo; i < a->hi; i++) lfwd_item(a, i, 16, BF_AUTOCAST_FWD);
-    else if (a->N == 16)
-        for (i64 i = a->lo; i < a->hi; i++) lfwd_item(a, i, 16, a->bfm);
     else if (a->N == 8)
         for (i64 i = a->lo; i < a->hi; i++) lfwd_item(a, i, 8, a->bfm);
     else
@@ -496,8 +506,6 @@ static void *lbwd_range(void *p) {
             lbwd_seg(a, b, j0, j1, 8, 0);
         else if (a->N == 16 && a->bfm == BF_AUTOCAST_BWD)
             lbwd_seg(a, b, j0, j1, 16, BF_AUTOCAST_BWD);
-        else if (a->N == 16)
-            lbwd_seg(a, b, j0, j1, 16, a->bfm);
         else if (a->N == 8)
             lbwd_seg(a, b, j0, j1, 8, a->bfm);
         else
@@ -584,18 +592,20 @@ typedef struct {
     REAL *u, *gx, *gw, *gb, *work;
 } Conv;
 
-static inline void conv_pre(const Conv *a, i64 b, i64 t, REAL *pre) {
+INLINE void conv_pre(const Conv *a, i64 b, i64 t, REAL *pre) {
     const i64 dim = a->dim, K = a->K;
     for (i64 d = 0; d < dim; d++) pre[d] = a->bias ? a->bias[d] : 0;
     for (i64 k = 0; k < K; k++) {
         const i64 ts = t - K + 1 + k;
         if (ts < 0) continue;
         const REAL *xr = a->x + b * a->sx_b + ts * a->sx_t;
+        #pragma omp simd
         for (i64 d = 0; d < dim; d++) pre[d] += a->w[k * dim + d] * xr[d];
     }
 }
 
-static void *conv_fwd_range(void *p) {
+/* -O3 as the sequence path (-O2: the conv's forward 1.5x slower) */
+__attribute__((optimize("O3"))) static void *conv_fwd_range(void *p) {
     const Conv *a = p;
     const i64 dim = a->dim;
     REAL *pre = a->work;
@@ -603,12 +613,13 @@ static void *conv_fwd_range(void *p) {
         for (i64 t = 0; t < a->L; t++) {
             conv_pre(a, b, t, pre);
             REAL *ur = a->u + (b * a->L + t) * dim;
+            #pragma omp simd
             for (i64 d = 0; d < dim; d++) ur[d] = pre[d] * SIGMOID(pre[d]);
         }
     return NULL;
 }
 
-static void *conv_bwd_range(void *p) {
+__attribute__((optimize("O3"))) static void *conv_bwd_range(void *p) {
     const Conv *a = p;
     const i64 dim = a->dim, K = a->K, L = a->L;
     REAL *pre = a->work, *gp = pre + dim; /* gp: (L, dim) gradient of the pre-activation */
@@ -618,21 +629,26 @@ static void *conv_bwd_range(void *p) {
             conv_pre(a, b, t, pre);
             const REAL *gr = a->gu + (b * L + t) * dim;
             REAL *g = gp + t * dim;
+            #pragma omp simd
             for (i64 d = 0; d < dim; d++) {
                 const REAL s = SIGMOID(pre[d]);
                 g[d] = gr[d] * s * (1 + pre[d] * (1 - s));
             }
-            if (gb)
+            if (gb) {
+                #pragma omp simd
                 for (i64 d = 0; d < dim; d++) gb[d] += g[d];
+            }
         }
         for (i64 t = 0; t < L; t++) {
             const REAL *xr = a->x + b * a->sx_b + t * a->sx_t;
             REAL *gxr = a->gx + (b * L + t) * dim;
+            #pragma omp simd
             for (i64 d = 0; d < dim; d++) gxr[d] = 0;
             for (i64 k = 0; k < K; k++) {
                 const i64 to = t + K - 1 - k; /* the output step that reads x[t] through tap k */
                 if (to >= L) continue;
                 const REAL *g = gp + to * dim;
+                #pragma omp simd
                 for (i64 d = 0; d < dim; d++) {
                     gxr[d] += a->w[k * dim + d] * g[d];
                     gw[k * dim + d] += g[d] * xr[d];
