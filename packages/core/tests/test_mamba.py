@@ -147,7 +147,7 @@ def test_fused_cpu_conv_matches_torch_conv(dtype):
     output and the gradients of input, weight and bias, on the strided input a Mamba block passes, with
     1 and 3 threads (per-thread weight-gradient accumulators summed)."""
     from memfit import _scan_kernel
-    from memfit.mamba import _ConvSiLU
+    from memfit.mamba import conv_silu
 
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")
@@ -163,7 +163,7 @@ def test_fused_cpu_conv_matches_torch_conv(dtype):
             b = torch.randn(6, dtype=dtype, generator=g).requires_grad_()
             ref = F.silu(F.conv1d(x, w, b, padding=3, groups=6)[..., :11])
             gy = torch.randn(ref.shape, dtype=dtype, generator=g)
-            out = _ConvSiLU.apply(x, w, b)
+            out = conv_silu(x, w, b)
             torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
             ours, theirs = (torch.autograd.grad(y, (xz, w, b), gy) for y in (out, ref))
             for a, r in zip(ours, theirs, strict=True):
@@ -183,7 +183,8 @@ def test_mamba_block_runs_the_scan_kernels_lane_path(monkeypatch, dtype):
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")
     calls, orig = [], _scan_kernel.call
-    monkeypatch.setattr(_scan_kernel, "call", lambda name, *a: calls.append((name, a[-1])) or orig(name, *a))
+    record = lambda name, a: calls.append((name, getattr(a, "lanes", None))) or orig(name, a)  # noqa: E731
+    monkeypatch.setattr(_scan_kernel, "call", record)
     torch.manual_seed(0)
     m = Mamba(MambaConfig(20, d_state=8, expand=1.5)).to(dtype)  # d_inner 30
     m(torch.randn(2, 21, 20, dtype=dtype)).square().mean().backward()
@@ -201,7 +202,8 @@ def test_bf16_autocast_runs_the_fused_kernels_and_matches_the_torch_ops(monkeypa
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")
     calls, orig = [], _scan_kernel.call
-    monkeypatch.setattr(_scan_kernel, "call", lambda name, *a: calls.append((name, a[-1])) or orig(name, *a))
+    record = lambda name, a: calls.append((name, getattr(a, "lanes", None))) or orig(name, a)  # noqa: E731
+    monkeypatch.setattr(_scan_kernel, "call", record)
 
     def run(use_kernels):
         torch.manual_seed(0)
@@ -225,3 +227,49 @@ def test_bf16_autocast_runs_the_fused_kernels_and_matches_the_torch_ops(monkeypa
     for n, g in grads.items():
         atol = 0.05 * grads_ref[n].abs().max().item()
         torch.testing.assert_close(g, grads_ref[n], rtol=0.05, atol=atol, msg=n)
+
+
+def test_torch_compile_of_a_mamba_block_runs_the_fused_kernels():
+    """torch.compile traces a Mamba block on CPU through the fused kernels' torch ops (memfit::conv_fwd,
+    memfit::scan_fwd and their backwards: a ctypes call would end the graph): the ops are in the graph
+    dynamo captures, the kernels run in the compiled step, and output and gradients equal eager's (every
+    parameter's: a forward returning ``y.to(same dtype)`` once made every gradient below out_proj zero)."""
+    from memfit import _scan_kernel
+
+    if _scan_kernel.library() is None:
+        pytest.skip("no C compiler: the fused CPU kernels are not built")
+    torch.manual_seed(0)
+    m = Mamba(MambaConfig(16, d_state=8, expand=2))
+    x = torch.randn(2, 12, 16)
+
+    def step(fn):
+        xg = x.clone().requires_grad_()
+        m.zero_grad()
+        y = fn(xg)
+        y.square().mean().backward()
+        return y.detach(), xg.grad, {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    graphs, calls = [], []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm.print_readable(print_output=False))
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    eager = step(m)
+    torch._dynamo.reset()
+    orig = _scan_kernel.call
+    try:
+        _scan_kernel.call = lambda name, a: calls.append(name) or orig(name, a)
+        compiled = step(torch.compile(m, backend=backend, fullgraph=True))
+    finally:
+        _scan_kernel.call = orig
+        torch._dynamo.reset()
+    assert len(graphs) == 1 and "memfit.scan_fwd" in graphs[0] and "memfit.conv_fwd" in graphs[0]
+    assert calls == ["conv_fwd_f32", "scan_fwd_f32", "scan_bwd_f32", "conv_bwd_f32"]
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=1e-6, atol=1e-7)
+    assert compiled[2].keys() == eager[2].keys()
+    for name, g in eager[2].items():
+        assert g.abs().max() > 0, name
+        same = torch.allclose(compiled[2][name], g, rtol=1e-6, atol=1e-7)
+        assert same, f"{name}: compiled {compiled[2][name].abs().max()} vs eager {g.abs().max()}"

@@ -136,13 +136,13 @@ def test_fp32_matches_fp64_reference(layout, L, chunk, kernels):
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-    """Records (name, lane path?) of every fused-kernel call (the lane flag is the last argument)."""
+    """Records (name, lane path?) of every fused-kernel call."""
     from memfit import _scan_kernel
 
     if not fused_kernel_available():
         pytest.skip("no C compiler here: the fused CPU kernel is not built")
     calls, orig = [], _scan_kernel.call
-    monkeypatch.setattr(_scan_kernel, "call", lambda name, *a: calls.append((name, a[-1])) or orig(name, *a))
+    monkeypatch.setattr(_scan_kernel, "call", lambda name, a: calls.append((name, a.lanes)) or orig(name, a))
     return calls
 
 
@@ -197,7 +197,7 @@ def test_lane_path_bf16_inputs_equal_fp32_inputs_then_rounded(monkeypatch, N, ga
     if not fused_kernel_available():
         pytest.skip("no C compiler here: the fused CPU kernel is not built")
     bits, orig = [], _scan_kernel.call
-    record = lambda name, *a: bits.append((name, a[-2], a[-1])) or orig(name, *a)  # noqa: E731
+    record = lambda name, a: bits.append((name, a.bfm, a.lanes)) or orig(name, a)  # noqa: E731
     monkeypatch.setattr(_scan_kernel, "call", record)
     bf16 = torch.bfloat16
     inputs = make_inputs(batch=2, dim=37, L=19, N=N, dtype=torch.float32, seed=7, channels_last=True)
@@ -316,8 +316,8 @@ def test_fused_kernel_threads_agree_and_are_used(monkeypatch):
     CPU path really is the fused kernel (a broken build would otherwise hide behind the fallback)."""
     from memfit import ssm
 
-    calls, orig = [], ssm._FusedScan.apply
-    monkeypatch.setattr(ssm._FusedScan, "apply", lambda *a: calls.append(1) or orig(*a))
+    calls, orig = [], ssm._fused_scan
+    monkeypatch.setattr(ssm, "_fused_scan", lambda *a: calls.append(1) or orig(*a))
     inputs = make_inputs(batch=3, dim=10, L=37, N=5, layout="group", groups=2, dtype=torch.float64)
     use = {"z": True, "D": True, "delta_bias": True}
     threads = torch.get_num_threads()

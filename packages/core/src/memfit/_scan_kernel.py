@@ -27,16 +27,55 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("_scan_kernel.c")
+SOURCES = (SOURCE, SOURCE.with_name("_scan_kernel_body.h"))  # the .c includes the body once per dtype
 NMAX = 64  # the largest state size N the kernel takes (NMAX in the C file)
 # no -ffast-math: with gcc < 13 it links crtfastmath.o into the shared object, which would switch the
 # whole process to flush-denormals-to-zero; these four flags are the part the reductions over N need.
-# -fopenmp-simd honours the file's `omp simd` loop annotations only (no OpenMP runtime).
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math",
+# -fopenmp-simd honours the file's `omp simd` loop annotations only (no OpenMP runtime): those mark every loop
+# that needs vectorising, and the lane path's loops are vector code already, so -O2 is enough. -O3 built the
+# same speed in ten times the time (~30 s instead of ~5 s, mostly register allocation over the copies its
+# loop unswitching and peeling make of the specialised lane loops), inside a user's first memory estimate.
+FLAGS = ["-O2", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fassociative-math",
          "-fno-signed-zeros", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]  # fmt: skip
 
-_P = ctypes.c_void_p
 _I = ctypes.c_int64
-_S = ctypes.POINTER(ctypes.c_int64)  # a stride triple / quadruple
+_P = ctypes.c_void_p
+
+
+class Strides(ctypes.Structure):
+    """Element strides by (batch, channel, group, step): ``Strides`` in the C file."""
+
+    _fields_ = [("b", _I), ("d", _I), ("g", _I), ("t", _I)]
+
+
+class ScanArgs(ctypes.Structure):
+    """The arguments of ``scan_fwd_*`` / ``scan_bwd_*``: ``ScanArgs`` in the C file, field by field (what
+    each field means is written there). Pointers left unset are NULL (an absent optional tensor)."""
+
+    _fields_ = [
+        *((name, _I) for name in ("batch", "dim", "L", "N", "T", "softplus", "lanes", "bfm", "nthreads",
+                                  "gsB", "gsC")),
+        *((name, _P) for name in ("delta", "bias", "u", "z", "D", "A2", "A", "B", "C", "dlast", "dout")),
+        *((name, _P) for name in ("y", "starts", "last", "du", "ddelta", "dz", "dA", "dB", "dC", "dD",
+                                  "dbias")),
+        *((name, Strides) for name in ("sdl", "su", "sz", "sy", "sdo", "sdu", "sdd", "sdz", "sB", "sC", "pB",
+                                       "pC")),
+    ]  # fmt: skip
+
+
+class ConvArgs(ctypes.Structure):
+    """The arguments of ``conv_fwd_*`` / ``conv_bwd_*``: ``ConvArgs`` in the C file."""
+
+    _fields_ = [
+        *((name, _I) for name in ("batch", "L", "dim", "K", "sx_b", "sx_t", "nthreads")),
+        *((name, _P) for name in ("x", "w", "bias", "gu", "u", "gx", "gw", "gb")),
+    ]
+
+
+def _abi() -> list[int]:
+    """What ``scan_abi`` in the C file reports, from the mirrors above."""
+    return [ctypes.sizeof(ScanArgs), ScanArgs.delta.offset, ScanArgs.y.offset, ScanArgs.sdl.offset,
+            ctypes.sizeof(ConvArgs), ConvArgs.x.offset]  # fmt: skip
 
 
 def _cpu_id() -> str:
@@ -71,7 +110,9 @@ def library() -> ctypes.CDLL | None:
     if cc is None:
         return None
     key = hashlib.sha256(
-        "\0".join([SOURCE.read_text(), " ".join(FLAGS), cc, platform.machine(), _cpu_id()]).encode()
+        "\0".join(
+            [*(f.read_text() for f in SOURCES), " ".join(FLAGS), cc, platform.machine(), _cpu_id()]
+        ).encode()
     ).hexdigest()[:16]
     cache_dir = Path(os.environ.get("MEMFIT_CACHE", Path.home() / ".cache" / "memfit"))
     path = cache_dir / f"scan_kernel-{key}.so"
@@ -84,42 +125,50 @@ def library() -> ctypes.CDLL | None:
         msg = f"memfit: the fused CPU scan kernel is unavailable ({detail}); using torch ops"
         warnings.warn(msg, stacklevel=3)
         return None
-    _C = ctypes.c_int
-    fwd = [_S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _P, _S, _I, _P, _S, _I, _P, _S, _P, _P, _C, _C, _C]
-    bwd = [_S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _P, _P, _S, _I, _P, _S, _I, _P, _P, _P, _S, _P, _S,
-           _P, _S, _P, _S, _P, _P, _S, _P, _S, _P, _P, _C, _C, _C]  # fmt: skip
-    conv_fwd = [_S, _P, _S, _P, _P, _P, ctypes.c_int]
-    conv_bwd = [_S, _P, _S, _P, _P, _P, _P, _P, _P, ctypes.c_int]
-    signatures = {"scan_fwd": fwd, "scan_bwd": bwd, "conv_fwd": conv_fwd, "conv_bwd": conv_bwd}
-    signatures["scan_lanes"] = []
+    abi = (ctypes.c_int64 * 6)()
+    lib.scan_abi(abi)
+    if list(abi) != _abi():  # a field added on one side only: refuse rather than corrupt memory
+        raise RuntimeError(f"memfit: _scan_kernel.c's argument structs {list(abi)} != the mirror's {_abi()}")
     for sfx in ("f32", "f64"):
-        for name, types in signatures.items():
+        for name, struct in (("scan_fwd", ScanArgs), ("scan_bwd", ScanArgs), ("conv_fwd", ConvArgs),
+                             ("conv_bwd", ConvArgs)):  # fmt: skip
             fn = getattr(lib, f"{name}_{sfx}")
-            fn.argtypes, fn.restype = types, ctypes.c_int
+            fn.argtypes, fn.restype = [ctypes.POINTER(struct)], ctypes.c_int
+        getattr(lib, f"scan_lanes_{sfx}").restype = ctypes.c_int
     return lib
 
 
+# torch.compile takes these three as constants (it cannot trace a build or a ctypes call)
+@torch.compiler.assume_constant_result
+def threads() -> int:
+    """Threads the kernels split their work over: torch's (fixed when a graph is compiled)."""
+    return torch.get_num_threads()
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the kernel is built (or can be now)."""
+    return library() is not None
+
+
+@torch.compiler.assume_constant_result
 def lanes(sfx: str) -> int:
     """Channels per work item of the kernel's channel-lane path ("f32" or "f64")."""
     return getattr(library(), f"scan_lanes_{sfx}")()
-
-
-def ints(*s: int) -> ctypes.Array:
-    """A C array of int64 (dimensions, strides)."""
-    return (ctypes.c_int64 * len(s))(*s)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def bdl(x: torch.Tensor | None) -> ctypes.Array | None:
-    """(batch, dim, L) strides of a (batch, dim, L)-indexed tensor."""
-    return None if x is None else ints(x.stride(0), x.stride(1), x.stride(2))
+def bdl(x: torch.Tensor | None) -> Strides:
+    """(batch, dim, L) strides of a (batch, dim, L)-indexed tensor (zeros for None)."""
+    return Strides() if x is None else Strides(b=x.stride(0), d=x.stride(1), t=x.stride(2))
 
 
-def call(name: str, *args) -> None:
+def call(name: str, args: ScanArgs | ConvArgs) -> None:
+    """Run kernel ``name`` (e.g. "scan_fwd_f32") on its argument struct."""
     if library() is None:
         raise RuntimeError("memfit: the fused CPU scan kernel is not available")
-    if getattr(library(), name)(*args) != 0:
+    if getattr(library(), name)(ctypes.byref(args)) != 0:
         raise MemoryError(f"memfit: {name} could not allocate its work buffers")
