@@ -1,11 +1,12 @@
-"""Perceptual contrast stretching on / off, scored on a run's OWN validation files (never a test split).
+"""Inference settings (perceptual contrast stretching on / off, the share of noisy input kept), scored on a
+run's OWN validation files (never a test split).
 
     uv run python tools/mbsnet_pcs_val.py RUN
 
 RUN is a run folder or checkpoint. The files are the ones `train` validated that run on, rebuilt from the
 settings its checkpoint carries: held-out voices x held-out noise recordings for `--clean`, the pairs
 held out of `--data`, or the generated held-out pairs. One thread. Prints PESQ-wb, STOI and SI-SDR of the
-noisy input and of the model with PCS off and on.
+noisy input, of the model with PCS off and on, and with PCS on and 5, 10, 20% of the noisy input kept.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ def main() -> None:
     t = override(TrainConfig(), flatten(state["settings"]["train"], TrainConfig()))
     items = build_data(t, int(t.seconds * SAMPLE_RATE))[1]
     rows = {"noisy": score_model(None, items)}
-    for pcs in (False, True):
-        model, state = SYSTEM.load_model(a.run, "cpu", pcs=pcs)
-        rows[f"pcs {'on' if pcs else 'off'}"] = score_model(model, items)
+    for pcs, keep in ((False, 0.0), (True, 0.0), (True, 0.05), (True, 0.1), (True, 0.2)):
+        model, state = SYSTEM.load_model(a.run, "cpu", pcs=pcs, keep_noisy=keep)
+        rows[f"pcs {'on' if pcs else 'off'}, keep {keep:g}"] = score_model(model, items)
     print(f"{state['path']} (step {state['step']}), {len(items)} validation files, 1 thread")
     for name, r in rows.items():
-        print(f"  {name:8s} PESQ-wb {r['pesq']:.3f}  STOI {r['stoi']:.4f}  SI-SDR {r['si_sdr']:.2f} dB")
+        print(f"  {name:18s} PESQ-wb {r['pesq']:.3f}  STOI {r['stoi']:.4f}  SI-SDR {r['si_sdr']:.2f} dB")
 
 
 if __name__ == "__main__":

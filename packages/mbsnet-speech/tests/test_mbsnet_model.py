@@ -134,3 +134,18 @@ def test_pcs_stretches_speech_band_at_inference_only():
     assert ratio[32:100].min() > 1.0  # 1-3 kHz bins stretched
     pcs.train()
     torch.testing.assert_close(pcs(x).wav, plain.train()(x).wav)
+
+
+def test_keep_noisy_mixes_the_input_back_at_inference_only():
+    torch.manual_seed(0)
+    x = 0.1 * torch.randn(2, 4000)
+    plain = MBSNet(tiny_config()).eval()
+    kept = MBSNet(tiny_config(keep_noisy=0.25)).eval()
+    kept.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        y0, y1 = plain(x).wav, kept(x).wav
+    torch.testing.assert_close(y1, 0.75 * y0 + 0.25 * x)
+    kept.train()
+    torch.testing.assert_close(kept(x).wav.detach(), plain.train()(x).wav.detach())  # training: no mix
+    with pytest.raises(ValueError, match="keep_noisy"):
+        tiny_config(keep_noisy=1.5)

@@ -42,8 +42,9 @@ class MBSNetConfig:
     scan: str = "chunked"  # "chunked": memfit.ssm.selective_scan; "materialise": the seed's real_mamba scan
     checkpoint: bool = True  # recompute each encoder layer in backward (keeps only layer inputs)
     pcs: bool = False  # perceptual contrast stretching of the output magnitude (inference only)
+    keep_noisy: float = 0.0  # share of the noisy input mixed back into the output (inference only)
     # how the model runs, not what it computes: `train --resume` may change these
-    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "scan", "pcs")
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "scan", "pcs", "keep_noisy")
 
     def __post_init__(self) -> None:
         if self.scan not in ("chunked", "materialise"):
@@ -56,6 +57,8 @@ class MBSNetConfig:
             raise ValueError(f"win ({self.win}) must be <= n_fft ({self.n_fft})")
         if self.hop < 1 or self.hop > self.win:
             raise ValueError(f"hop must be in 1..win ({self.win}), got {self.hop}")
+        if not 0 <= self.keep_noisy <= 1:
+            raise ValueError(f"keep_noisy is a share of the input; give 0..1, got {self.keep_noisy:g}")
 
     @property
     def n_bins(self) -> int:

@@ -27,20 +27,41 @@ from mbsnet_speech.data import AUDIO_EXTS, MIN_SAMPLES, SAMPLE_RATE, conversion_
 from mbsnet_speech.model import MBSNet
 
 
-def load_model(run: str | Path | None, device: str | torch.device = "cpu", pcs: bool | None = None) -> MBSNet:
-    """The model of a run (name or folder: best.pt, else its newest checkpoint) or a checkpoint file."""
+def load_model(
+    run: str | Path | None,
+    device: str | torch.device = "cpu",
+    pcs: bool | None = None,
+    keep_noisy: float | None = None,
+) -> MBSNet:
+    """The model of a run (name or folder: best.pt, else its newest checkpoint), a checkpoint file or an
+    exported folder; pcs / keep_noisy None keep what its config says."""
     from mbsnet_speech.system import SYSTEM
 
-    return SYSTEM.load_model(run, device, **({} if pcs is None else {"pcs": pcs}))[0]
+    return SYSTEM.load_model(run, device, **inference_overrides(pcs, keep_noisy))[0]
+
+
+def inference_overrides(pcs: bool | None, keep_noisy: float | None) -> dict:
+    """Config overrides of --pcs / --keep_noisy (None: the run's own)."""
+    out: dict = {} if pcs is None else {"pcs": pcs}
+    if keep_noisy is not None:
+        out["keep_noisy"] = keep_noisy
+    return out
 
 
 def add_pcs_arg(p: argparse.ArgumentParser) -> None:
-    """--pcs / --no-pcs for eval and enhance: None (neither given) keeps what the run's config says."""
+    """--pcs / --no-pcs and --keep_noisy for eval and enhance: None keeps what the run's config says."""
     p.add_argument(
         "--pcs",
         action=argparse.BooleanOptionalAction,
         default=None,
         help="perceptual contrast stretching of the output (default: the run's config; CPU recipe: on)",
+    )
+    p.add_argument(
+        "--keep_noisy",
+        type=float,
+        default=None,
+        metavar="SHARE",
+        help="share of the noisy input mixed back into the output, 0..1 (default: the run's config)",
     )
 
 
@@ -175,7 +196,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     add_threads_arg(p)
     args = p.parse_args(argv)
     apply_threads(args)
-    check_numbers(args, chunk_seconds=">0", overlap_seconds=">=0")
+    check_numbers(args, chunk_seconds=">0", overlap_seconds=">=0", keep_noisy=">=0")
     chunk, overlap = int(args.chunk_seconds * SAMPLE_RATE), int(args.overlap_seconds * SAMPLE_RATE)
     if chunk < MIN_SAMPLES or overlap >= chunk:
         raise UsageError("error: --chunk_seconds must be >= 0.025 and longer than --overlap_seconds")
@@ -210,7 +231,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         else:
             run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
             what = str(run)
-        model = load_model(run, resolve_device(args.device), pcs=args.pcs)
+        model = load_model(run, resolve_device(args.device), args.pcs, args.keep_noisy)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"error: {e}") from None
     print(f"model: {what}", file=sys.stderr)

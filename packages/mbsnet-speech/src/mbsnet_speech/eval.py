@@ -34,7 +34,7 @@ from mbsnet_speech.data import (
     parse_names,
     split_groups,
 )
-from mbsnet_speech.enhance import add_pcs_arg, enhance_array, model_fn
+from mbsnet_speech.enhance import add_pcs_arg, enhance_array, inference_overrides, model_fn
 from mbsnet_speech.metrics import PairResult, evaluate_pairs, pesq_score, si_sdr, stoi_score, summarise
 
 METRICS = ("pesq_wb", "pesq_nb", "stoi", "si_sdr")
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     add_eval_args(p, "mbsnet-speech")
     args = p.parse_args(argv)
     apply_threads(args)
-    check_numbers(args, pairs=">=1", seconds=">0", limit=">=1", mixes=">=1")
+    check_numbers(args, pairs=">=1", seconds=">0", limit=">=1", mixes=">=1", keep_noisy=">=0")
     if args.seconds * SAMPLE_RATE < MIN_SAMPLES:
         raise UsageError(f"error: --seconds {args.seconds:g} is shorter than one STFT frame; give >= 0.025")
     if args.snr[0] > args.snr[1]:
@@ -225,8 +225,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     try:
         from mbsnet_speech.system import SYSTEM
 
-        pcs = {} if args.pcs is None else {"pcs": args.pcs}
-        model, state = SYSTEM.load_model(run, resolve_device(args.device), **pcs)
+        overrides = inference_overrides(args.pcs, args.keep_noisy)
+        model, state = SYSTEM.load_model(run, resolve_device(args.device), **overrides)
         sets = eval_sets(args, (state.get("settings") or {}).get("train") or {})
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"error: {e}") from None

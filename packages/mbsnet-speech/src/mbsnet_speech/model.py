@@ -237,7 +237,10 @@ class MBSNet(nn.Module):
             lin = mag_hat.pow(1.0 / self.cfg.compress)
             lin = torch.expm1(self.gamma[:, None] * torch.log1p(lin))
             mag_hat = lin.pow(self.cfg.compress)
-        return Enhanced(self.istft(mag_hat, pha_hat, wav.shape[1]), mag_hat, pha_hat)
+        out = self.istft(mag_hat, pha_hat, wav.shape[1])
+        if self.cfg.keep_noisy and not self.training:  # a floor on suppression: fewer speech artefacts
+            out = out + self.cfg.keep_noisy * (wav - out)
+        return Enhanced(out, mag_hat, pha_hat)
 
 
 def count_params(model: nn.Module) -> int:
