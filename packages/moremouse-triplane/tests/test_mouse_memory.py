@@ -55,16 +55,13 @@ def test_attention_memory_scaling_measured_on_cpu():
     assert _exponent(meas[True, n_small], meas[True, n_big], n_small, n_big) >= 1.7
 
 
-def test_calibration_estimate_matches_measured_tiny():
-    entry = next(e for e in budget_entries() if e.variant == "sdpa")
-    est = estimate_training_step(entry.calibration).peak_bytes
-    meas = measure_training_step(entry.calibration).peak_bytes
-    assert abs(est - meas) / meas <= 0.15, (est, meas)
+def _entry(variant: str):
+    return next(e for e in budget_entries() if e.variant == variant)
 
 
-@pytest.mark.slow
-def test_calibration_estimate_matches_measured_tiny_naive():
-    entry = next(e for e in budget_entries() if e.variant == "naive")
+@pytest.mark.parametrize("variant", ["sdpa", pytest.param("naive", marks=pytest.mark.slow)])
+def test_calibration_estimate_matches_measured_tiny(variant):
+    entry = _entry(variant)
     est = estimate_training_step(entry.calibration).peak_bytes
     meas = measure_training_step(entry.calibration).peak_bytes
     assert abs(est - meas) / meas <= 0.15, (est, meas)
@@ -72,7 +69,7 @@ def test_calibration_estimate_matches_measured_tiny_naive():
 
 @pytest.mark.slow
 def test_paper_budget_fits_16_gib():
-    entry = next(e for e in budget_entries() if e.variant == "sdpa")
+    entry = _entry("sdpa")
     report = estimate_training_step(entry.step)
     assert entry.batch == 4 and entry.budget_gib == 16.0
     assert report.peak_gib <= entry.budget_gib, report.format()
@@ -80,7 +77,7 @@ def test_paper_budget_fits_16_gib():
 
 @pytest.mark.slow
 def test_naive_baseline_needs_at_least_the_seeds_36_gib():
-    entry = next(e for e in budget_entries() if e.variant == "naive")
+    entry = _entry("naive")
     report = estimate_training_step(entry.step)
     assert entry.is_baseline and entry.budget_gib is None
     assert report.peak_gib >= 36.0, report.format()
