@@ -63,6 +63,20 @@ def run(fn, inputs, use, softplus, last, **kw):
     return outs, grads
 
 
+def run_threads(inputs, use, *counts, **kw):
+    """run(selective_scan, inputs, use, True, True, **kw) once per torch thread count in counts (the
+    process's count put back after); the results in that order."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in counts:
+            torch.set_num_threads(n)
+            results.append(run(selective_scan, inputs, use, True, True, **kw))
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
 def _weights(o: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Random weights for an output, laid out like it (so the output's gradient is too: a channel-stride-1
     output gets a channel-stride-1 gradient, as out_proj gives a Mamba block's scan)."""
@@ -265,14 +279,7 @@ def test_lane_path_threads_agree(kernel_calls):
     per-thread dB/dC/dA sums are added up) give the same result."""
     inputs = make_inputs(batch=3, dim=64, L=37, N=5, layout="group", groups=2, channels_last=True)
     use = {"z": True, "D": True, "delta_bias": True}
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run(selective_scan, inputs, use, True, True, chunk_size=8)
-        torch.set_num_threads(4)
-        four = run(selective_scan, inputs, use, True, True, chunk_size=8)
-    finally:
-        torch.set_num_threads(threads)
+    one, four = run_threads(inputs, use, 1, 4, chunk_size=8)
     assert_close(*one, *four, rtol=1e-13)
     assert_close(*one, *run(selective_scan_ref, inputs, use, True, True), rtol=1e-10)
     assert {lanes for _, lanes in kernel_calls} == {1}
@@ -320,14 +327,7 @@ def test_fused_kernel_threads_agree_and_are_used(monkeypatch):
     monkeypatch.setattr(ssm, "_fused_scan", lambda *a: calls.append(1) or orig(*a))
     inputs = make_inputs(batch=3, dim=10, L=37, N=5, layout="group", groups=2, dtype=torch.float64)
     use = {"z": True, "D": True, "delta_bias": True}
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = run(selective_scan, inputs, use, True, True, chunk_size=8)
-        torch.set_num_threads(3)
-        three = run(selective_scan, inputs, use, True, True, chunk_size=8)
-    finally:
-        torch.set_num_threads(threads)
+    one, three = run_threads(inputs, use, 1, 3, chunk_size=8)
     assert calls == [1, 1]
     assert_close(*one, *three, rtol=1e-13)
 

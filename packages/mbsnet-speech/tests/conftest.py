@@ -8,14 +8,25 @@ import soundfile as sf
 SPEECH = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "speech"
 
 
-@pytest.fixture
-def speech():
-    """(clean, noisy, fs): speech.wav and speech_bab_0dB.wav as float32; skips when the data is absent."""
+def _read_speech(dtype: str):
+    """(clean, noisy, fs): speech.wav and speech_bab_0dB.wav as dtype; skips when the data is absent."""
     if not (SPEECH / "speech.wav").exists():
         pytest.skip(f"shared speech data not found at {SPEECH}")
-    clean, fs = sf.read(SPEECH / "speech.wav", dtype="float32")
-    noisy, _ = sf.read(SPEECH / "speech_bab_0dB.wav", dtype="float32")
+    clean, fs = sf.read(SPEECH / "speech.wav", dtype=dtype)
+    noisy, _ = sf.read(SPEECH / "speech_bab_0dB.wav", dtype=dtype)
     return clean, noisy, fs
+
+
+@pytest.fixture
+def speech():
+    """(clean, noisy, fs) as float32."""
+    return _read_speech("float32")
+
+
+@pytest.fixture
+def speech_int16():
+    """(clean, noisy, fs) as int16, the samples the pesq package's reference scores are for."""
+    return _read_speech("int16")
 
 
 @pytest.fixture

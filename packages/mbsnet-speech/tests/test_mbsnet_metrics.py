@@ -1,30 +1,17 @@
-from pathlib import Path
-
 import numpy as np
 import pytest
-import soundfile as sf
 from mbsnet_speech.metrics import evaluate_pairs, pesq_score, si_sdr, stoi_score, summarise
 
-DATA = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "speech"
 
-
-def _speech():
-    if not (DATA / "speech.wav").exists():
-        pytest.skip(f"shared speech data not found at {DATA}")
-    ref, fs = sf.read(DATA / "speech.wav", dtype="int16")
-    deg, _ = sf.read(DATA / "speech_bab_0dB.wav", dtype="int16")
-    return ref, deg, fs
-
-
-def test_pesq_reproduces_the_pesq_package_reference_exactly():
-    ref, deg, fs = _speech()
+def test_pesq_reproduces_the_pesq_package_reference_exactly(speech_int16):
+    ref, deg, fs = speech_int16
     assert fs == 16000
     assert pesq_score(ref, deg, fs, "wb") == 1.0832337141036987
     assert pesq_score(ref, deg, fs, "nb") == 1.6072081327438354
 
 
-def test_pesq_stoi_sisdr_rank_clean_above_noisy():
-    ref, deg, fs = _speech()
+def test_pesq_stoi_sisdr_rank_clean_above_noisy(speech_int16):
+    ref, deg, fs = speech_int16
     r = ref.astype(np.float64) / 32768
     d = deg.astype(np.float64) / 32768
     assert pesq_score(r, r, fs) > 4.5 > pesq_score(r, d, fs)
@@ -52,8 +39,8 @@ def test_bad_inputs_raise_clear_errors():
         si_sdr(np.stack([x, x]), np.stack([x, x]))
 
 
-def test_batch_evaluation_records_failures_and_continues():
-    ref, deg, fs = _speech()
+def test_batch_evaluation_records_failures_and_continues(speech_int16):
+    ref, deg, fs = speech_int16
     r = ref.astype(np.float32) / 32768
     d = deg.astype(np.float32) / 32768
     nan = d.copy()

@@ -21,20 +21,26 @@ def _attention_step(tokens: int, width: int, heads: int, head_dim: int, batch: i
     )
 
 
-def _exponent(m_small: int, m_big: int, n_small: int, n_big: int) -> float:
-    return math.log(m_big / m_small) / math.log(n_big / n_small)
+def _scaling(peak_of, n_small: int, n_big: int, *layer: int) -> tuple[dict, float, float]:
+    """Peak bytes by (naive, tokens) of _attention_step(tokens, *layer, naive) under peak_of
+    (estimate_training_step or measure_training_step) at n_small and n_big tokens, then sdpa's and the
+    naive layer's exponent of memory in the number of tokens."""
+    peaks = {
+        (naive, n): peak_of(_attention_step(n, *layer, naive)).peak_bytes
+        for naive in (False, True)
+        for n in (n_small, n_big)
+    }
+    sdpa_exp, naive_exp = (
+        math.log(peaks[naive, n_big] / peaks[naive, n_small]) / math.log(n_big / n_small)
+        for naive in (False, True)
+    )
+    return peaks, sdpa_exp, naive_exp
 
 
 def test_attention_memory_linear_for_sdpa_quadratic_for_naive_at_paper_width():
     # estimated with fake tensors: paper width 512, 16 heads x 64, batch 4, 3x32^2 -> 3x64^2 tokens
-    n_small, n_big = 3 * 32**2, 3 * 64**2
-    est = {
-        (naive, n): estimate_training_step(_attention_step(n, 512, 16, 64, 4, naive)).peak_bytes
-        for naive in (False, True)
-        for n in (n_small, n_big)
-    }
-    sdpa_exp = _exponent(est[False, n_small], est[False, n_big], n_small, n_big)
-    naive_exp = _exponent(est[True, n_small], est[True, n_big], n_small, n_big)
+    n_big = 3 * 64**2
+    est, sdpa_exp, naive_exp = _scaling(estimate_training_step, 3 * 32**2, n_big, 512, 16, 64, 4)
     assert sdpa_exp <= 1.1, sdpa_exp
     assert naive_exp >= 1.8, naive_exp
     # the seed's allocation: one materialised layer at 12,288 tokens needs more than its 36 GiB score matrix
@@ -45,26 +51,18 @@ def test_attention_memory_linear_for_sdpa_quadratic_for_naive_at_paper_width():
 @pytest.mark.slow
 def test_attention_memory_scaling_measured_on_cpu():
     # real runs (live CPU tensor storage): small width, 3x16^2 -> 3x32^2 tokens
-    n_small, n_big = 3 * 16**2, 3 * 32**2
-    meas = {
-        (naive, n): measure_training_step(_attention_step(n, 32, 4, 16, 1, naive)).peak_bytes
-        for naive in (False, True)
-        for n in (n_small, n_big)
-    }
-    assert _exponent(meas[False, n_small], meas[False, n_big], n_small, n_big) <= 1.1
-    assert _exponent(meas[True, n_small], meas[True, n_big], n_small, n_big) >= 1.7
+    _, sdpa_exp, naive_exp = _scaling(measure_training_step, 3 * 16**2, 3 * 32**2, 32, 4, 16, 1)
+    assert sdpa_exp <= 1.1, sdpa_exp
+    assert naive_exp >= 1.7, naive_exp
 
 
-def test_calibration_estimate_matches_measured_tiny():
-    entry = next(e for e in budget_entries() if e.variant == "sdpa")
-    est = estimate_training_step(entry.calibration).peak_bytes
-    meas = measure_training_step(entry.calibration).peak_bytes
-    assert abs(est - meas) / meas <= 0.15, (est, meas)
+def _entry(variant: str):
+    return next(e for e in budget_entries() if e.variant == variant)
 
 
-@pytest.mark.slow
-def test_calibration_estimate_matches_measured_tiny_naive():
-    entry = next(e for e in budget_entries() if e.variant == "naive")
+@pytest.mark.parametrize("variant", ["sdpa", pytest.param("naive", marks=pytest.mark.slow)])
+def test_calibration_estimate_matches_measured_tiny(variant):
+    entry = _entry(variant)
     est = estimate_training_step(entry.calibration).peak_bytes
     meas = measure_training_step(entry.calibration).peak_bytes
     assert abs(est - meas) / meas <= 0.15, (est, meas)
@@ -72,7 +70,7 @@ def test_calibration_estimate_matches_measured_tiny_naive():
 
 @pytest.mark.slow
 def test_paper_budget_fits_16_gib():
-    entry = next(e for e in budget_entries() if e.variant == "sdpa")
+    entry = _entry("sdpa")
     report = estimate_training_step(entry.step)
     assert entry.batch == 4 and entry.budget_gib == 16.0
     assert report.peak_gib <= entry.budget_gib, report.format()
@@ -80,7 +78,7 @@ def test_paper_budget_fits_16_gib():
 
 @pytest.mark.slow
 def test_naive_baseline_needs_at_least_the_seeds_36_gib():
-    entry = next(e for e in budget_entries() if e.variant == "naive")
+    entry = _entry("naive")
     report = estimate_training_step(entry.step)
     assert entry.is_baseline and entry.budget_gib is None
     assert report.peak_gib >= 36.0, report.format()

@@ -266,6 +266,49 @@ INLINE void vstore_bf16_f64(uint16_t *p, vf64 v) {
 }
 
 
+/* One thread's share of a kernel call: its range of work items [lo, hi), its index th and its work
+ * buffer. Args and Conv (the body's per-call structs) start with these fields, as an anonymous struct. */
+#define PART_FIELDS                                                                                        \
+    i64 lo, hi, th;                                                                                        \
+    void *work
+typedef struct {
+    PART_FIELDS;
+} Part;
+
+/* Splits `items` work items into contiguous ranges, one per thread (at most one an item), and runs fn on
+ * each: part k is a copy of *a (a struct of `size` bytes that starts with a Part) given its range, index
+ * and `per` bytes of work buffer (rounded up to whole 64-byte lines: lane vectors live there). Part 0
+ * runs here while the others run on threads of their own, and a part whose thread could not be started
+ * runs here after. Returns 0, or -1 when the work buffers could not be allocated (nothing computed then). */
+static int run_parts(const void *a, size_t size, int nthreads, i64 items, size_t per, void *(*fn)(void *)) {
+    if (nthreads > items) nthreads = (int)items;
+    if (nthreads < 1) nthreads = 1;
+    per = (per + 63) / 64 * 64;
+    char *work = NULL;
+    if (posix_memalign((void **)&work, 64, per * nthreads)) return -1;
+    max_align_t store[(size * nthreads + sizeof(max_align_t) - 1) / sizeof(max_align_t)];
+    char *parts = (char *)store;
+    for (int k = 0; k < nthreads; k++) {
+        Part *part = memcpy(parts + k * size, a, size);
+        part->lo = items * k / nthreads;
+        part->hi = items * (k + 1) / nthreads;
+        part->th = k;
+        part->work = work + per * k;
+    }
+    pthread_t tids[nthreads];
+    int started[nthreads];
+    for (int k = 1; k < nthreads; k++) started[k] = pthread_create(&tids[k], NULL, fn, parts + k * size) == 0;
+    fn(parts);
+    for (int k = 1; k < nthreads; k++) {
+        if (started[k])
+            pthread_join(tids[k], NULL);
+        else
+            fn(parts + k * size); /* no thread to be had: run its range here */
+    }
+    free(work);
+    return 0;
+}
+
 /* Element strides of a tensor indexed by (batch b, channel d, group g, step t). Per-step (batch, dim, L)
  * tensors use b, d, t (g = 0); B/C use b, g, t (d = 0; n is contiguous); the per-thread gradient
  * accumulators of B/C (pB, pC) use d for the thread stride. */

@@ -40,15 +40,17 @@
 #define conv_run FN(conv_run)
 #define conv_unpack FN(conv_unpack)
 
-/* One thread's view of a ScanArgs: typed pointers, its range of work items [lo, hi), its index th and
- * its work buffer. */
+/* One thread's view of a ScanArgs: its Part (range of work items, index, work buffer) and typed
+ * pointers. */
 typedef struct {
-    i64 batch, dim, L, N, T, lo, hi, th, softplus, nblk; /* nblk: channel blocks (lane path) */
+    struct {
+        PART_FIELDS; /* work: 10 chunk arrays of T, then (T + 1) * N states, T * N decays (sequence path) */
+    };
+    i64 batch, dim, L, N, T, softplus, nblk; /* nblk: channel blocks (lane path) */
     const REAL *delta, *bias, *u, *z, *D, *A2, *A, *B, *C, *dlast, *dout;
     Strides sdl, su, sz, sB, sC, sy, sdo, sdu, sdd, sdz, pB, pC;
     i64 gsB, gsC;
     REAL *y, *starts, *last, *du, *ddelta, *dz, *dA, *dB, *dC, *dD, *dbias;
-    REAL *work; /* this thread's: 10 chunk arrays of T, then (T + 1) * N states, T * N decays */
     int bfm;    /* BF_* bits: which per-step tensors are bf16 (lane path only) */
 } Args;
 
@@ -206,30 +208,22 @@ INLINE void bwd_item(const Args *a, i64 item, const i64 N) {
 }
 
 /* the sequence path at -O3 (the rest of the file is built at -O2): its N-loops are omp simd loops over
- * arrays of N, which only -O3's complete peeling keeps in registers once vectorised (-O2: 35% slower) */
-__attribute__((optimize("O3"))) static void *fwd_range(void *p) {
-    const Args *a = p;
-#if SPECIALIZE
-    if (a->N == 16) {
-        for (i64 i = a->lo; i < a->hi; i++) fwd_item(a, i, 16);
-        return NULL;
+ * arrays of N, which only -O3's complete peeling keeps in registers once vectorised (-O2: 35% slower).
+ * One thread's items [lo, hi) through item (fwd_item or bwd_item), with N 16 a constant where SPECIALIZE
+ * (with SPECIALIZE 0 the compiler drops that branch before it inlines anything). */
+#define SEQ_RANGE(name, item)                                                                            \
+    __attribute__((optimize("O3"))) static void *name(void *p) {                                         \
+        const Args *a = p;                                                                               \
+        if (SPECIALIZE && a->N == 16) {                                                                  \
+            for (i64 i = a->lo; i < a->hi; i++) item(a, i, 16);                                          \
+            return NULL;                                                                                 \
+        }                                                                                                \
+        for (i64 i = a->lo; i < a->hi; i++) item(a, i, a->N);                                            \
+        return NULL;                                                                                     \
     }
-#endif
-    for (i64 i = a->lo; i < a->hi; i++) fwd_item(a, i, a->N);
-    return NULL;
-}
-
-__attribute__((optimize("O3"))) static void *bwd_range(void *p) {
-    const Args *a = p;
-#if SPECIALIZE
-    if (a->N == 16) {
-        for (i64 i = a->lo; i < a->hi; i++) bwd_item(a, i, 16);
-        return NULL;
-    }
-#endif
-    for (i64 i = a->lo; i < a->hi; i++) bwd_item(a, i, a->N);
-    return NULL;
-}
+SEQ_RANGE(fwd_range, fwd_item)
+SEQ_RANGE(bwd_range, bwd_item)
+#undef SEQ_RANGE
 
 /* ---- channel-lane path: a work item is (b, a block of V consecutive channels), the lanes of VEC; the
  * state is N vectors of V lanes (one per state entry) and every step is N independent lane recurrences,
@@ -520,35 +514,9 @@ static void *lbwd_range(void *p) {
     return NULL;
 }
 
-/* Splits the items (sequences, or channel blocks on the lane path) into contiguous ranges, one per
- * thread, `per` work values each; returns 0 on success, -1 when a work buffer could not be allocated
- * (nothing computed then). */
-static int run(Args *a, int nthreads, void *(*fn)(void *), i64 items, i64 per) {
-    if (nthreads > items) nthreads = (int)items;
-    if (nthreads < 1) nthreads = 1;
-    per = (per + 15) / 16 * 16; /* whole 64-byte lines per thread: lane vectors live there */
-    REAL *work = NULL;
-    if (posix_memalign((void **)&work, 64, sizeof(REAL) * per * nthreads)) return -1;
-    Args parts[nthreads];
-    pthread_t tids[nthreads];
-    int started[nthreads];
-    for (int k = 0; k < nthreads; k++) {
-        parts[k] = *a;
-        parts[k].lo = items * k / nthreads;
-        parts[k].hi = items * (k + 1) / nthreads;
-        parts[k].th = k;
-        parts[k].work = work + per * k;
-    }
-    for (int k = 1; k < nthreads; k++) started[k] = pthread_create(&tids[k], NULL, fn, &parts[k]) == 0;
-    fn(&parts[0]);
-    for (int k = 1; k < nthreads; k++) {
-        if (started[k])
-            pthread_join(tids[k], NULL);
-        else
-            fn(&parts[k]); /* no thread to be had: run its range here */
-    }
-    free(work);
-    return 0;
+/* the scan's items (sequences, or channel blocks on the lane path) over threads, `per` REALs of work each */
+static int run(const Args *a, int nthreads, void *(*fn)(void *), i64 items, i64 per) {
+    return run_parts(a, sizeof *a, nthreads, items, sizeof(REAL) * per, fn);
 }
 
 static Args unpack(const ScanArgs *s) {
@@ -587,9 +555,12 @@ int FN(scan_lanes)(void) { return V; }
 /* ---- the conv (see ConvArgs): items are batch rows; every loop over d vectorises */
 
 typedef struct {
-    i64 batch, L, dim, K, sx_b, sx_t, lo, hi, th;
+    struct {
+        PART_FIELDS; /* work: the pre-activation (dim), then backward's gradient of it (L, dim) */
+    };
+    i64 batch, L, dim, K, sx_b, sx_t;
     const REAL *x, *w, *bias, *gu;
-    REAL *u, *gx, *gw, *gb, *work;
+    REAL *u, *gx, *gw, *gb;
 } Conv;
 
 INLINE void conv_pre(const Conv *a, i64 b, i64 t, REAL *pre) {
@@ -659,31 +630,9 @@ __attribute__((optimize("O3"))) static void *conv_bwd_range(void *p) {
     return NULL;
 }
 
-static int conv_run(Conv *a, int nthreads, void *(*fn)(void *), i64 per) {
-    if (nthreads > a->batch) nthreads = (int)a->batch;
-    if (nthreads < 1) nthreads = 1;
-    REAL *work = malloc(sizeof(REAL) * per * nthreads);
-    if (!work) return -1;
-    Conv parts[nthreads];
-    pthread_t tids[nthreads];
-    int started[nthreads];
-    for (int k = 0; k < nthreads; k++) {
-        parts[k] = *a;
-        parts[k].lo = a->batch * k / nthreads;
-        parts[k].hi = a->batch * (k + 1) / nthreads;
-        parts[k].th = k;
-        parts[k].work = work + per * k;
-    }
-    for (int k = 1; k < nthreads; k++) started[k] = pthread_create(&tids[k], NULL, fn, &parts[k]) == 0;
-    fn(&parts[0]);
-    for (int k = 1; k < nthreads; k++) {
-        if (started[k])
-            pthread_join(tids[k], NULL);
-        else
-            fn(&parts[k]);
-    }
-    free(work);
-    return 0;
+/* the conv's batch rows over threads, `per` REALs of work each */
+static int conv_run(const Conv *a, int nthreads, void *(*fn)(void *), i64 per) {
+    return run_parts(a, sizeof *a, nthreads, a->batch, sizeof(REAL) * per, fn);
 }
 
 static Conv conv_unpack(const ConvArgs *s) {

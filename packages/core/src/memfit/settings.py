@@ -371,6 +371,14 @@ class TrainParser:
             self.expand.add(dest)
         self.flag_names.setdefault(path, names[0])
 
+    def optimizer_flags(self, group: argparse._ArgumentGroup) -> None:
+        """--lr, --weight_decay and --warmup, bound to train.lr, train.weight_decay and train.warmup: the
+        AdamW + WarmupCosine recipe's three numbers, spelt the same in every system."""
+        self.flag(group, "--lr", path="train.lr", type=float, help="peak learning rate")
+        self.flag(group, "--weight_decay", path="train.weight_decay", type=float, help="AdamW weight decay")
+        self.flag(group, "--warmup", path="train.warmup", type=int,
+                  help="linear warmup steps before the cosine decay")  # fmt: skip
+
     def _loop_flags(self) -> None:
         g = self.group("training loop (memfit)")
         f = self.flag

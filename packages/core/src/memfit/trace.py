@@ -515,16 +515,11 @@ def _first_tensor(out):
     raise TypeError(f"the model returned {type(out).__name__}, not a tensor")
 
 
-def load_target(
-    spec: str,
-    inputs: list[str] | None = None,
-    dtype: str | None = None,
-    target: str = "classes",
-    amp: str = "none",
-) -> Target:
-    """TARGET (+ --input shapes) -> a Target. Raises UsageError for every user mistake."""
+def load_target(spec: str, *args, **kwargs) -> Target:
+    """TARGET (+ --input shapes) -> a Target: the callable `spec` names, then make_target with the rest of
+    the arguments. Raises UsageError for every user mistake."""
     fn, spec = _load_callable(spec)
-    return make_target(fn, spec, inputs, dtype, target, amp)
+    return make_target(fn, spec, *args, **kwargs)
 
 
 def make_target(

@@ -50,9 +50,7 @@ def build_parser() -> TrainParser:
            help="pixels per image per step (of 1024)")
     p.flag(d, "--jitter", path="train.jitter", type=float,
            help="move sampled coordinates up to this many pixels off their centres, bilinear targets")
-    p.flag(d, "--lr", path="train.lr", type=float, help="peak learning rate")
-    p.flag(d, "--weight_decay", path="train.weight_decay", type=float, help="AdamW weight decay")
-    p.flag(d, "--warmup", path="train.warmup", type=int, help="linear warmup steps before the cosine decay")
+    p.optimizer_flags(d)
     p.flag(d, "--eval_every", path="train.eval_every", type=int,
            help="validation PSNR every N steps, the best kept as best.pt (0: at the end)")
     p.flag(d, "--eval_images", path="train.eval_images", type=int,

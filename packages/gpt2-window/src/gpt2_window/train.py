@@ -71,10 +71,8 @@ def build_parser() -> TrainParser:
     p.flag(d, "--num_iterations", path="loop.steps", type=int, help="the seed's name for --steps",
            show_default=False)
     o = p.group("optimizer and evaluation")
-    p.flag(o, "--lr", path="train.lr", type=float, help="peak learning rate")
+    p.optimizer_flags(o)
     p.flag(o, "--min_lr", path="train.min_lr", type=float, help="final learning rate (none: lr / 10)")
-    p.flag(o, "--warmup", path="train.warmup", type=int, help="linear warmup steps")
-    p.flag(o, "--weight_decay", path="train.weight_decay", type=float, help="AdamW weight decay")
     p.flag(o, "--beta1", path="train.beta1", type=float, help="AdamW beta1")
     p.flag(o, "--beta2", path="train.beta2", type=float, help="AdamW beta2")
     p.flag(o, "--eval_every", path="train.eval_every", type=int,

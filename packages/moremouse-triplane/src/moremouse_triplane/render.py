@@ -305,20 +305,18 @@ def render_triplane(
     rays_o: torch.Tensor,
     rays_d: torch.Tensor,
     *,
-    n_samples: int,
     bbox: float = 1.0,
-    jitter: torch.Tensor | None = None,
-    chunk: int | None = None,
-    use_checkpoint: bool = False,
     view: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     carve: float = 0.0,
     hull_probes: int = 0,
+    **sampling,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Volume-render triplanes (B, 3, C, H, W) along rays (B, R, 3) -> rgb (B, R, 3), opacity (B, R).
 
-    view = (input image, K, c2w): the decoder also reads sample_view's features of each point; with
-    carve > 0 too, points the input view sees as background are empty (carved_field), and with
-    hull_probes > 0 the samples are spread over the part of each ray inside that hull (hull_bounds)."""
+    sampling: render_rays' n_samples (required), jitter, chunk and use_checkpoint. view = (input image,
+    K, c2w): the decoder also reads sample_view's features of each point; with carve > 0 too, points the
+    input view sees as background are empty (carved_field), and with hull_probes > 0 the samples are
+    spread over the part of each ray inside that hull (hull_bounds)."""
 
     def field(pts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if view is not None and carve > 0:
@@ -332,11 +330,8 @@ def render_triplane(
         field,
         rays_o,
         rays_d,
-        n_samples=n_samples,
         bbox=bbox,
-        jitter=jitter,
-        chunk=chunk,
-        use_checkpoint=use_checkpoint,
+        **sampling,
         bounds=hull_bounds(view, carve, hull_probes)
         if view is not None and carve > 0 and hull_probes
         else None,

@@ -57,9 +57,7 @@ def build_parser() -> TrainParser:
     p.flag(d, "--num_scenes", path="train.num_scenes", type=int,
            help="cycle over this many generated scenes (0: new every time)")
     p.flag(d, "--batch_size", path="train.batch_size", type=int, help="scenes per micro-batch")
-    p.flag(d, "--lr", path="train.lr", type=float, help="peak learning rate")
-    p.flag(d, "--weight_decay", path="train.weight_decay", type=float, help="AdamW weight decay")
-    p.flag(d, "--warmup", path="train.warmup", type=int, help="warmup steps")
+    p.optimizer_flags(d)
     p.flag(d, "--schedule_steps", path="train.schedule_steps", type=int,
            help="length of the LR schedule (none: the run's --steps)")
     p.flag(d, "--val_scenes", path="train.val_scenes", type=int,
