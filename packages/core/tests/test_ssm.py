@@ -345,6 +345,17 @@ def test_runs_on_fake_tensors():
         assert all(ts[k].grad.shape == ts[k].shape for k in NAMES)
 
 
+def test_chunk_plan_runs_every_chunk_once_in_order():
+    """The torch-op path runs chunks 0, 1 and the last itself and 2 .. n-2 in one op per direction
+    (whose fake implementation skips them): together every chunk once, in order."""
+    from memfit.ssm import _chunk_plan
+
+    for n in range(1, 9):
+        first, middle, last = _chunk_plan(n)
+        assert [*first, *middle, *last] == list(range(n)), n
+        assert len(middle) == max(0, n - 3) and (n < 2 or first[-1] == 1) and (n < 3 or last[0] == n - 1)
+
+
 def test_training_step_memory_much_lower_than_reference():
     """Measured peak of forward + backward: the chunked scan holds states of one chunk, not of all L."""
     inputs = make_inputs(batch=8, dim=64, L=128, N=16, dtype=torch.float32)
