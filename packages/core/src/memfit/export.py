@@ -63,7 +63,8 @@ def _evaluations(run_dir: Path) -> dict[str, dict[str, float]]:
 def model_card(system: Any, config: dict[str, Any], meta: dict[str, Any]) -> str:
     """A short README.md for an exported model: what it is, what it was trained on, what it scores."""
     train = (meta.get("settings") or {}).get("train") or {}
-    data = train.get("data") or meta.get("data") or "the system's built-in default data"
+    sources = [str(train[k]) for k in ("data", "clean", "noise") if train.get(k)]  # every data flag a run had
+    data = " + ".join(sources) or meta.get("data") or "the system's built-in default data"
     lines = [
         f"# {system.name}: {meta.get('preset') or 'custom'} model",
         "",

@@ -183,7 +183,7 @@ class TrainConfig:
     snr: tuple[float, float] | None = None  # mix SNR range in dB (None: 0..20 generated, -5..15 otherwise)
     data_share: float = 0.3  # with both data and clean: the share of mixes drawn from data's pairs
     builtin_noise: float = 0.25  # with noise files: the share of mixes using a built-in noise kind instead
-    augment: Augment = field(default_factory=Augment)
+    augment: Augment = field(default_factory=Augment)  # of --clean mixes (with --data alone: none)
     # whole voices / noise recordings held out of training (names or one _-separated word of them,
     # data.split_groups): validation chooses best.pt on val_*; test_* are kept for `eval` only
     val_voices: tuple[str, ...] = ("ked", "pc", "nsh")
@@ -243,6 +243,9 @@ def _cpu(device) -> Settings:
         loss=LossWeights(pha=0.0, sisdr=0.02, stft=0.1),
         eval_every=300,
         val_files=12,
+        # of --clean mixes: the augmentations that were not below both plain runs in six-minute runs on
+        # held-out voices (docs/results.md; EQ and room response were, at every validation point)
+        augment=Augment(speed=0.5, gain=0.2, clip=0.1, bandlimit=0.2),
     )
     # one thread: this model's ops are small, and on a 2-core machine with anything else running, two
     # threads made a step about 8x slower (each parallel region waits for the descheduled thread). No

@@ -148,7 +148,7 @@ def build_parser() -> TrainParser:
         expand=True,
         metavar="NAME=P,...",
         show_default=False,
-        help="augmentation probabilities over the preset's: speed, eq, reverb, gain, "
+        help="augmentation probabilities of --clean mixes over the preset's: speed, eq, reverb, gain, "
         "clip, bandlimit (augment.py), e.g. reverb=0.3,eq=0.5",
     )
     p.flag(
@@ -234,7 +234,7 @@ def build_data(t: TrainConfig, crop: int):
             return (lambda rng: folder_batch(pairs, t.batch_size, crop, rng)), val, desc
         remix = PairRemix(pairs, tuple(t.snr) if t.snr else MIX_SNR)
         desc += f", remixed: speech x noise of other pairs at {remix.snr[0]:g}..{remix.snr[1]:g} dB"
-        return (lambda rng: mix_batch(remix, t.batch_size, crop, rng, t.augment)[:2]), val, desc
+        return (lambda rng: mix_batch(remix, t.batch_size, crop, rng)[:2]), val, desc
     snr = tuple(t.snr) if t.snr else (0.0, 20.0)
     val = heldout_pairs(n_val, seconds=3.0, seed=VAL_SEED)
     return (lambda rng: synth_batch(t.batch_size, crop, rng, snr_range=snr)), val, "generated pairs"

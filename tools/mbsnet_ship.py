@@ -1,0 +1,40 @@
+"""Put a trained mbsnet-speech run into the package as the model `enhance` uses without --run.
+
+    uv run python tools/mbsnet_ship.py runs/mbsnet-speech/RUN --keep_noisy 0.05
+
+Exports the run's best.pt (`memfit export`: weights and config, no pickle) into
+packages/mbsnet-speech/src/mbsnet_speech/pretrained/, with the inference settings chosen on the run's own
+validation (`tools/mbsnet_pcs_val.py RUN`) written into its config. Then rerun the package's tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from mbsnet_speech.enhance import shipped_model
+from mbsnet_speech.system import SYSTEM
+from memfit.export import export_run, model_card
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run")
+    ap.add_argument("--keep_noisy", type=float, default=0.0, help="share of noisy input kept (validation's)")
+    ap.add_argument("--pcs", action=argparse.BooleanOptionalAction, default=None)
+    a = ap.parse_args()
+    out = export_run(SYSTEM, a.run, shipped_model(), overwrite=True)
+    path = out / "config.json"
+    doc = json.loads(path.read_text())
+    doc["config"]["keep_noisy"] = a.keep_noisy
+    if a.pcs is not None:
+        doc["config"]["pcs"] = a.pcs
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "README.md").write_text(model_card(SYSTEM, doc["config"], doc["meta"]))
+    SYSTEM.from_pretrained(out)  # it loads
+    print(f"shipped {a.run} as {out} ({sum(p.stat().st_size for p in Path(out).iterdir()) / 2**20:.2f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
