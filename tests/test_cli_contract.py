@@ -184,8 +184,20 @@ def test_budget_run_interrupted_and_resumed_follows_the_uninterrupted_lr_curve(s
         rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
         return [r["lr"] for r in rows if "lr" in r]
 
-    argv = [*TRAIN[system], "--warmup", "1", "--max_minutes", "5", "--log_every", "1", "--save_every", "0",
-            "--no_progress", "--runs_dir", str(tmp_path)]  # fmt: skip (a repeated --warmup: the last wins)
+    argv = [
+        *TRAIN[system],
+        "--warmup",
+        "1",
+        "--max_minutes",
+        "5",
+        "--log_every",
+        "1",
+        "--save_every",
+        "0",
+        "--no_progress",
+        "--runs_dir",
+        str(tmp_path),
+    ]  # fmt: skip (a repeated --warmup: the last wins)
     train_cli = console(f"{ALIASES[system]}-train")
     monkeypatch.setattr(memfit.loop, "now", FakeClock())
     assert train_cli([*argv, "--run_name", "whole"]) == 0

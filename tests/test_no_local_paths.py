@@ -8,6 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ("/wo" + "rk/", "cpu0" + ".lock")  # spelled in parts, so this file does not name them
 
+
 def test_tracked_files_name_no_machine_local_paths():
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     bad = []

@@ -151,7 +151,8 @@ def test_a_signal_repeated_within_a_second_still_saves(tmp_path):
     """uv forwards a terminal's Ctrl-C to the whole process group, so one press can arrive twice ~200 ms
     apart: the trainer finishes its step and saves, as for one signal."""
     script = tmp_path / "slow.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import time, torch
         from memfit.loop import Trainer
         from memfit.settings import LoopConfig
@@ -163,7 +164,8 @@ def test_a_signal_repeated_within_a_second_still_saves(tmp_path):
         cfg = LoopConfig(steps=100, amp="none", progress=False, device="cpu", save_every=0, preflight=False)
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss, lambda s, m: torch.ones(4, 2), cfg,
                 run_dir={str(tmp_path / "run")!r}).fit()
-    """))
+    """)
+    )
     pipe = subprocess.PIPE
     proc = subprocess.Popen([sys.executable, str(script)], stdout=pipe, stderr=pipe, text=True)
     assert proc.stdout.readline() == "step\n"

@@ -198,8 +198,16 @@ TF = {
     "bloom": ("AutoModelForCausalLM", {"n_layer": 2, "n_head": 4}, "lm"),
     "t5": (
         "AutoModelForSeq2SeqLM",
-        {"d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_decoder_layers": 2, "num_heads": 4,
-         "decoder_start_token_id": 0, "pad_token_id": 0},
+        {
+            "d_model": 64,
+            "d_kv": 16,
+            "d_ff": 128,
+            "num_layers": 2,
+            "num_decoder_layers": 2,
+            "num_heads": 4,
+            "decoder_start_token_id": 0,
+            "pad_token_id": 0,
+        },
         "seq2seq",
     ),
     "bart": (

@@ -209,8 +209,12 @@ def _run_ddp(tmp_path, nproc, steps=5, accum=1, compile=False):
     script = tmp_path / f"ddp{name}.py"
     script.write_text(
         DDP_SCRIPT.format(
-            testdir=os.path.dirname(__file__), run_dir=str(tmp_path / f"r{name}"), out=str(out), steps=steps,
-            accum=accum, compile=compile,
+            testdir=os.path.dirname(__file__),
+            run_dir=str(tmp_path / f"r{name}"),
+            out=str(out),
+            steps=steps,
+            accum=accum,
+            compile=compile,
         )
     )
     cmd = [

@@ -38,8 +38,9 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
     py = state["python"]
     random.setstate((state["python_version"], tuple(py[:-1]), py[-1]))
-    np.random.set_state(("MT19937", state["numpy"]["keys"].cpu().numpy().astype(np.uint32),
-                         state["numpy"]["pos"]))
+    np.random.set_state(
+        ("MT19937", state["numpy"]["keys"].cpu().numpy().astype(np.uint32), state["numpy"]["pos"])
+    )
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([t.to("cpu", torch.uint8) for t in state["cuda"]])
 

@@ -103,8 +103,9 @@ def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Pa
     out = Path(out)
     check_outputs([out], [run_dir], overwrite=True, flag="--out")  # never into the run it reads
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise UsageError(f"error: --out {out} is not empty; pass --overwrite to replace its files, "
-            "or another --out")
+        raise UsageError(
+            f"error: --out {out} is not empty; pass --overwrite to replace its files, or another --out"
+        )
     meta = {
         **(state.get("meta") or {}),
         "step": state.get("step"),

@@ -74,8 +74,9 @@ def eval_out_dir(args: argparse.Namespace, run_path: Path, inputs: tuple = ()) -
     out = Path(args.out) if args.out else (run_path if run_path.is_dir() else run_path.parent) / "eval"
     check_outputs([out], [p for p in inputs if p], overwrite=True)
     if args.out and out.is_dir() and any(out.iterdir()) and not getattr(args, "overwrite", False):
-        raise UsageError(f"error: --out {out} is not empty; pass --overwrite to replace its files, "
-            "or another --out")
+        raise UsageError(
+            f"error: --out {out} is not empty; pass --overwrite to replace its files, or another --out"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

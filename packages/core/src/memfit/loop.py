@@ -149,8 +149,6 @@ def autocast_context(amp: str, device: torch.device) -> contextlib.AbstractConte
 STOP_NONE, STOP_DONE, STOP_TIME, STOP_SIGNAL = 0, 1, 2, 3
 
 
-
-
 # A repeated SIGINT/SIGTERM within this many seconds of the first is the same request (uv and shells
 # forward a terminal's Ctrl-C to the whole process group, so one key press can arrive twice).
 DUPLICATE_SIGNAL_S = 1.0

@@ -94,8 +94,10 @@ class Preflight:
 
     def line(self) -> str:
         have = "" if self.available is None else f" of {self.available / GIB:.2f} GiB ({self.what})"
-        return f"[memfit] memory pre-flight: a training step needs ~{self.needed / GIB:.2f} GiB{have} " \
+        return (
+            f"[memfit] memory pre-flight: a training step needs ~{self.needed / GIB:.2f} GiB{have} "
             f"(estimated in {self.seconds:.1f} s)"
+        )
 
 
 def _needs(make: MemoryStep, batch: int, checkpointing: bool, device: torch.device) -> int:

@@ -35,7 +35,6 @@ SETTINGS_FORMAT = 1
 RUN_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
-
 @dataclass(frozen=True)
 class LoopConfig:
     """The loop's own settings (model and data settings belong to each system's part of the tree)."""
@@ -222,8 +221,9 @@ def override(tree: Any, changes: Mapping[str, Any], prefix: str = "") -> Any:
         raise SettingError(prefix + field, text[len(field) + 1 :]) from None
 
 
-def write_run_config(run_dir: Path, system: str | None, preset: str | None, model: Any,
-                     settings: Settings) -> Path:
+def write_run_config(
+    run_dir: Path, system: str | None, preset: str | None, model: Any, settings: Settings
+) -> Path:
     """run_dir/config.json: what `--config FILE` reads back ({format, system, preset, config, train,
     loop}; "config" is the model config exactly as checkpoints store it)."""
     from memfit.checkpoint import write_text_atomic
@@ -339,7 +339,8 @@ class TrainParser:
         )
         g.add_argument("--resume", action="store_true", help="continue the run in the run folder")
         g.add_argument(
-            "--overwrite", action="store_true",
+            "--overwrite",
+            action="store_true",
             help="start again in a folder that holds a run (the old one moves to <run_name>.old-<time>/)",
         )
         self._loop_added = False
@@ -382,36 +383,78 @@ class TrainParser:
     def _loop_flags(self) -> None:
         g = self.group("training loop (memfit)")
         f = self.flag
-        f(g, "--steps", path="loop.steps", type=int,
-          help="optimizer steps (none with --max_minutes: until it)")
-        f(g, "--max_minutes", path="loop.max_minutes", type=float,
-          help="the run's total time budget: stop cleanly when spent (checkpoint saved); on --resume, the "
-          "minutes already trained count against it; alone, it trains until the budget")
+        f(
+            g,
+            "--steps",
+            path="loop.steps",
+            type=int,
+            help="optimizer steps (none with --max_minutes: until it)",
+        )
+        f(
+            g,
+            "--max_minutes",
+            path="loop.max_minutes",
+            type=float,
+            help="the run's total time budget: stop cleanly when spent (checkpoint saved); on --resume, the "
+            "minutes already trained count against it; alone, it trains until the budget",
+        )
         f(g, "--grad_accum", path="loop.grad_accum", type=int, help="micro-batches per optimizer step")
         f(g, "--amp", path="loop.amp", choices=["bf16", "fp16", "none"], help="autocast dtype")
         f(g, "--grad_clip", path="loop.grad_clip", type=float, help="max gradient norm (0 = off)")
         f(g, "--compile", path="loop.compile", action=argparse.BooleanOptionalAction, help="torch.compile")
         f(g, "--log_every", path="loop.log_every", type=int, help="steps between metrics rows")
-        f(g, "--save_every", path="loop.save_every", type=int,
-          help="steps between checkpoints (0 = at the end)")
+        f(
+            g,
+            "--save_every",
+            path="loop.save_every",
+            type=int,
+            help="steps between checkpoints (0 = at the end)",
+        )
         f(g, "--keep_last", path="loop.keep_last", type=int, help="checkpoints to keep")
         f(g, "--seed", path="loop.seed", type=int, help="random seed (weights, batches)")
         f(g, "--run_name", path="loop.run_name", help="run folder name, under runs_dir/<system>/")
         f(g, "--runs_dir", path="loop.runs_dir", help="where run folders live")
         f(g, "--device", path="loop.device", help="auto | cpu | cuda | cuda:N")
-        f(g, "--threads", path="loop.threads", type=int,
-          help="CPU threads of every pool (torch, BLAS); at most the CPU count (none: torch's choice)")
-        f(g, "--ema", path="loop.ema", type=float,
-          help="decay of a moving average of the weights that validation, best.pt and eval use (0 = off)")
-        f(g, "--tensorboard", path="loop.tensorboard", action=argparse.BooleanOptionalAction,
-          help="TensorBoard events beside metrics.jsonl (needs the `tensorboard` extra)")
-        f(g, "--progress", path="loop.progress", action=argparse.BooleanOptionalAction, help="progress bar",
-          hidden=())
+        f(
+            g,
+            "--threads",
+            path="loop.threads",
+            type=int,
+            help="CPU threads of every pool (torch, BLAS); at most the CPU count (none: torch's choice)",
+        )
+        f(
+            g,
+            "--ema",
+            path="loop.ema",
+            type=float,
+            help="decay of a moving average of the weights that validation, best.pt and eval use (0 = off)",
+        )
+        f(
+            g,
+            "--tensorboard",
+            path="loop.tensorboard",
+            action=argparse.BooleanOptionalAction,
+            help="TensorBoard events beside metrics.jsonl (needs the `tensorboard` extra)",
+        )
+        f(
+            g,
+            "--progress",
+            path="loop.progress",
+            action=argparse.BooleanOptionalAction,
+            help="progress bar",
+            hidden=(),
+        )
         g.add_argument("--no_progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)  # fmt: skip
-        f(g, "--no_preflight", path="loop.preflight", action="store_false", show_default=False,
-          help="skip the memory pre-flight (the step's peak estimated before the first step; a run that will "
-          "not fit the device is refused, naming the batch that fits)")
+        f(
+            g,
+            "--no_preflight",
+            path="loop.preflight",
+            action="store_false",
+            show_default=False,
+            help="skip the memory pre-flight (the step's peak estimated before the first step; a run "
+            "that will not fit the device is refused, naming the batch that fits)",
+        )
 
     def _defaults_text(self, path: str) -> str:
         """'default 0.003' or 'default: cpu 0.003, default 0.0005': the value in every preset."""
@@ -514,5 +557,6 @@ class TrainParser:
             from memfit.cpu import set_threads
 
             set_threads(tree.loop.threads)
-        return TrainRun(tree, preset, device, args.resume, args.overwrite, frozenset(given | set(flags)),
-                        args)
+        return TrainRun(
+            tree, preset, device, args.resume, args.overwrite, frozenset(given | set(flags)), args
+        )

@@ -60,8 +60,6 @@ class BudgetEntry:
 Command = Callable[[list[str] | None], object]
 
 
-
-
 def _resolve(spec: Command | str) -> Command:
     """A command, or "package.module:function" imported on first use (`train --help` stays fast)."""
     if not isinstance(spec, str):
@@ -152,8 +150,9 @@ class System:
         if self.config_cls is None or self.build_model is None:
             raise TypeError(f"system {self.name} registers no config_cls/build_model; it cannot load models")
         if not is_export(path):
-            raise UsageError(f"error: {path} is not an exported model (no {WEIGHTS} and {CONFIG}); "
-                "run memfit export")
+            raise UsageError(
+                f"error: {path} is not an exported model (no {WEIGHTS} and {CONFIG}); run memfit export"
+            )
         return load_export(self, path, device, **overrides)
 
     def entry(self, kind: str) -> Command:

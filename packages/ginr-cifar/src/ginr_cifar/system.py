@@ -80,10 +80,6 @@ def budget_entries() -> list[BudgetEntry]:
     return entries
 
 
-
-
-
-
 SYSTEM = System(
     name="ginr-cifar",
     summary="Mamba-GINR on CIFAR-10; SCENT-style decoder made query-independent (ff / xattn) to fit",

@@ -34,27 +34,58 @@ SYSTEM_NAME = "ginr-cifar"
 def build_parser() -> TrainParser:
     p = TrainParser(SYSTEM_NAME, __doc__, SETTINGS, auto=("balanced", "cpu"))
     m = p.group("model")
-    p.flag(m, "--checkpointing", path="model.checkpoint", action=argparse.BooleanOptionalAction,
-           help="per-block activation checkpointing")
+    p.flag(
+        m,
+        "--checkpointing",
+        path="model.checkpoint",
+        action=argparse.BooleanOptionalAction,
+        help="per-block activation checkpointing",
+    )
     p.flag(m, "--decoder", path="model.decoder", choices=["attn", "ff", "xattn"], help="decoder variant")
     p.flag(m, "--decoder_width", path="model.decoder_width", type=int, help="decoder width")
     p.flag(m, "--decoder_depth", path="model.decoder_depth", type=int, help="decoder scales")
     d = p.group("data and optimizer")
-    p.flag(d, "--data", path="train.data",
-           help="CIFAR-10 batches folder or ImageFolder tree (none: embedded)")
+    p.flag(
+        d, "--data", path="train.data", help="CIFAR-10 batches folder or ImageFolder tree (none: embedded)"
+    )
     p.flag(d, "--max_images", path="train.max_images", type=int, help="use only the first N training images")
-    p.flag(d, "--holdout", path="train.holdout", type=int,
-           help="training images held out, unseen by training and validation (eval's default split)")
+    p.flag(
+        d,
+        "--holdout",
+        path="train.holdout",
+        type=int,
+        help="training images held out, unseen by training and validation (eval's default split)",
+    )
     p.flag(d, "--batch_size", path="train.batch_size", type=int, help="images per step")
-    p.flag(d, "--num_sample_coords", path="train.num_sample_coords", type=int,
-           help="pixels per image per step (of 1024)")
-    p.flag(d, "--jitter", path="train.jitter", type=float,
-           help="move sampled coordinates up to this many pixels off their centres, bilinear targets")
+    p.flag(
+        d,
+        "--num_sample_coords",
+        path="train.num_sample_coords",
+        type=int,
+        help="pixels per image per step (of 1024)",
+    )
+    p.flag(
+        d,
+        "--jitter",
+        path="train.jitter",
+        type=float,
+        help="move sampled coordinates up to this many pixels off their centres, bilinear targets",
+    )
     p.optimizer_flags(d)
-    p.flag(d, "--eval_every", path="train.eval_every", type=int,
-           help="validation PSNR every N steps, the best kept as best.pt (0: at the end)")
-    p.flag(d, "--eval_images", path="train.eval_images", type=int,
-           help="validation images, carved from the training part")
+    p.flag(
+        d,
+        "--eval_every",
+        path="train.eval_every",
+        type=int,
+        help="validation PSNR every N steps, the best kept as best.pt (0: at the end)",
+    )
+    p.flag(
+        d,
+        "--eval_images",
+        path="train.eval_images",
+        type=int,
+        help="validation images, carved from the training part",
+    )
     x = p.group("other")
     x.add_argument("--cache_dir", default=str(default_cache_dir()), help="decoded-image cache for folders")
     x.add_argument("--no_cache", action="store_true", help="decode image folders every time")
@@ -121,8 +152,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         # validation images come out of the training part, never out of the holdout: best.pt is chosen
         # on them, and the holdout stays unseen by training and by every choice
-        split = {"holdout": t.holdout, "val": t.eval_images,
-                 "cache_dir": None if args.no_cache else args.cache_dir}
+        split = {
+            "holdout": t.holdout,
+            "val": t.eval_images,
+            "cache_dir": None if args.no_cache else args.cache_dir,
+        }
         train_set = load_split(t.data, "train", max_images=t.max_images, **split)
         val_set = load_split(t.data, "val", **split)
     except (ValueError, FileNotFoundError) as e:

@@ -49,34 +49,64 @@ def parse_window(text: str) -> int | list[int | None] | None:
 
 def build_parser() -> TrainParser:
     p = TrainParser(SYSTEM_NAME, __doc__, SETTINGS, default="tiny")
-    p.parser.add_argument("--model", dest="config", default=argparse.SUPPRESS,
-                          help=argparse.SUPPRESS)  # the seed's
+    p.parser.add_argument(
+        "--model", dest="config", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )  # the seed's
     m = p.group("model")
-    p.flag(m, "--attention", path="model.attn_impl", choices=list(ATTN_IMPLS),
-           help="attention implementation")
-    p.flag(m, "--checkpointing", path="model.checkpoint", action=argparse.BooleanOptionalAction,
-           help="per-block activation checkpointing")
-    p.flag(m, "--window", path="model.window", type=parse_window,
-           help="sliding window: an int, 'none', or one per layer '64,none,...'")
+    p.flag(
+        m, "--attention", path="model.attn_impl", choices=list(ATTN_IMPLS), help="attention implementation"
+    )
+    p.flag(
+        m,
+        "--checkpointing",
+        path="model.checkpoint",
+        action=argparse.BooleanOptionalAction,
+        help="per-block activation checkpointing",
+    )
+    p.flag(
+        m,
+        "--window",
+        path="model.window",
+        type=parse_window,
+        help="sliding window: an int, 'none', or one per layer '64,none,...'",
+    )
     p.flag(m, "--dropout", path="model.dropout", type=float, help="dropout")
     d = p.group("data")
-    p.flag(d, "--data", path="train.data",
-           help="UTF-8 text file or uint16 token shards (none: embedded corpus)")
-    p.flag(d, "--tokenizer", path="train.tokenizer", choices=["auto", "char", "gpt2"],
-           help="auto: characters for the default corpus and the character presets, GPT-2 BPE for d12 "
-           "presets on --data text (needs the `bpe` extra; an error, not a silent switch, without it)")
-    p.flag(d, "--sequence_length", path="train.sequence_length", type=int,
-           help="tokens per row (none: the model's context)")
+    p.flag(
+        d, "--data", path="train.data", help="UTF-8 text file or uint16 token shards (none: embedded corpus)"
+    )
+    p.flag(
+        d,
+        "--tokenizer",
+        path="train.tokenizer",
+        choices=["auto", "char", "gpt2"],
+        help="auto: characters for the default corpus and the character presets, GPT-2 BPE for d12 "
+        "presets on --data text (needs the `bpe` extra; an error, not a silent switch, without it)",
+    )
+    p.flag(
+        d,
+        "--sequence_length",
+        path="train.sequence_length",
+        type=int,
+        help="tokens per row (none: the model's context)",
+    )
     p.flag(d, "--batch_size", path="train.batch_size", type=int, help="rows per micro-batch")
-    p.flag(d, "--num_iterations", path="loop.steps", type=int, help="the seed's name for --steps",
-           show_default=False)
+    p.flag(
+        d,
+        "--num_iterations",
+        path="loop.steps",
+        type=int,
+        help="the seed's name for --steps",
+        show_default=False,
+    )
     o = p.group("optimizer and evaluation")
     p.optimizer_flags(o)
     p.flag(o, "--min_lr", path="train.min_lr", type=float, help="final learning rate (none: lr / 10)")
     p.flag(o, "--beta1", path="train.beta1", type=float, help="AdamW beta1")
     p.flag(o, "--beta2", path="train.beta2", type=float, help="AdamW beta2")
-    p.flag(o, "--eval_every", path="train.eval_every", type=int,
-           help="evaluate every N steps (0 = at the end)")
+    p.flag(
+        o, "--eval_every", path="train.eval_every", type=int, help="evaluate every N steps (0 = at the end)"
+    )
     p.flag(o, "--eval_iters", path="train.eval_iters", type=int, help="batches per evaluation")
     return p
 

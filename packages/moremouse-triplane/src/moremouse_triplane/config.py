@@ -35,7 +35,12 @@ class TriplaneConfig:
     checkpoint: bool = True  # per-block activation checkpointing
     # how the model runs or samples, not what it computes: `train --resume` may change these
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = (
-        "checkpoint", "attention", "render_chunk", "render_checkpoint", "rays_per_scene", "samples_per_ray"
+        "checkpoint",
+        "attention",
+        "render_chunk",
+        "render_checkpoint",
+        "rays_per_scene",
+        "samples_per_ray",
     )
     # upsampler: 64 x 64 x 512 -> 128 x 128 x 80
     upsampler: str = "deconv"  # "deconv" (ConvTranspose2d k=2 s=2) | "pixelshuffle"

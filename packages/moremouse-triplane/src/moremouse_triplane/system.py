@@ -113,12 +113,6 @@ def budget_entries() -> list[BudgetEntry]:
     ]
 
 
-
-
-
-
-
-
 def _build_model(cfg: TriplaneConfig) -> torch.nn.Module:
     from moremouse_triplane.model import build_model
 
