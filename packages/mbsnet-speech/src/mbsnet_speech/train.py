@@ -158,7 +158,7 @@ def build_parser() -> TrainParser:
         type=parse_names,
         metavar="A,B,...",
         help="voices of --clean held out to choose best.pt (a voice is a sub-folder, or a file name "
-        "without its _NNN; a word of it is enough); none: 3 chosen when these are absent",
+        "without its _NNN; one word of it is enough); when none is present, 3 are chosen (at most a quarter)",
     )
     p.flag(
         d,
