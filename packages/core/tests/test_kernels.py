@@ -222,3 +222,79 @@ def test_cuda_rules_reach_activation_checkpointings_recompute():
     cuda = estimate_training_step(step, device="cuda").peak_bytes
     assert cuda > cpu
     assert torch.utils.checkpoint.checkpoint.__module__ == "torch.utils.checkpoint"  # restored after
+
+
+# ----------------------------------------------------------------------------------------------------
+# The cuda extra's Mamba kernels: with them (the default) or the torch-op path a GPU without them takes
+# ----------------------------------------------------------------------------------------------------
+
+
+def _mbsnet_chunked_200f():
+    pytest.importorskip("mbsnet_speech")
+    from memfit.system import load_system
+
+    (entry,) = [e for e in load_system("mbsnet-speech").budgets() if e.variant == "chunked-200f"]
+    return entry
+
+
+def _cuda_peak(step, extra=None):
+    from memfit.kernels import assume_cuda_extra
+
+    with assume_cuda_extra(extra or kernels.WITH_CUDA_EXTRA):
+        return estimate_training_step(step, device="cuda").peak_bytes
+
+
+@pytest.fixture
+def torch_op_scan_peak(monkeypatch):
+    """mbsnet chunked-200f's CUDA estimate with the fused CPU kernels off (MEMFIT_SCAN_KERNEL=0): what
+    `memfit budget --device cuda` gives then, the torch-op scan and conv."""
+    from memfit import _scan_kernel
+
+    entry = _mbsnet_chunked_200f()
+    monkeypatch.setenv("MEMFIT_SCAN_KERNEL", "0")
+    _scan_kernel.library.cache_clear()
+    try:
+        peak = _cuda_peak(entry.step)
+    finally:
+        monkeypatch.delenv("MEMFIT_SCAN_KERNEL")
+        _scan_kernel.library.cache_clear()
+    return peak
+
+
+def test_no_cuda_kernels_estimates_the_torch_op_path_and_the_default_the_extra(torch_op_scan_peak, capsys):
+    from memfit import cli
+
+    assert not torch.cuda.is_available()  # the default below is the one for a machine without a GPU
+    entry = _mbsnet_chunked_200f()
+    default, without = _cuda_peak(entry.step), _cuda_peak(entry.step, kernels.NO_CUDA_EXTRA)
+    assert without == torch_op_scan_peak
+    assert round(default / 2**30, 3) == 0.431 and round(without / 2**30, 3) == 1.012  # 0.431 before the flag
+    cases = [((), default, "with mamba_ssm and causal-conv1d"), (("--no_cuda_kernels",), without, "without")]
+    for flag, peak, said in cases:  # the command prints these figures and says which kernels it assumed
+        with pytest.raises(SystemExit):
+            cli.main(["budget", "--system", "mbsnet-speech", "--device", "cuda", *flag])
+        out = capsys.readouterr().out
+        assert said in out.splitlines()[0] and f"{peak / 2**30:.3f}" in out.splitlines()[3], out
+
+
+def test_preflight_on_a_gpu_without_mamba_ssm_estimates_the_torch_op_path(monkeypatch, torch_op_scan_peak):
+    """The pre-flight on a (faked) CUDA device asks memfit.probes what the GPU has."""
+    from memfit import mamba, preflight, probes, ssm
+
+    entry = _mbsnet_chunked_200f()
+    probes.reset(probes=True)
+    monkeypatch.setattr(ssm, "_mamba_scan_fn", None)  # the cuda extra not installed
+    monkeypatch.setattr(mamba, "_causal_conv1d_fn", None)
+    cuda, make = torch.device("cuda", 0), lambda batch, checkpointing: entry.step
+    needs = preflight._needs(make, entry.batch, False, cuda)
+    assert needs == int(torch_op_scan_peak * preflight.OVERHEAD["cuda"])
+    # installed and probed fine: the fused kernels' figure
+    monkeypatch.setattr(ssm, "_mamba_scan_fn", lambda *a: None)
+    monkeypatch.setattr(mamba, "_causal_conv1d_fn", lambda *a: None)
+    monkeypatch.setattr(
+        probes, "probe", lambda kernel, fn, device: probes.ProbeResult(fn is not None, "faked")
+    )
+    assert probes.cuda_extra(cuda) == kernels.WITH_CUDA_EXTRA
+    needs = preflight._needs(make, entry.batch, False, cuda)
+    assert needs == int(_cuda_peak(entry.step) * preflight.OVERHEAD["cuda"])
+    probes.reset(probes=True)

@@ -20,8 +20,10 @@ import torch
 
 from memfit import __version__
 from memfit.errors import UsageError, run_command
+from memfit.estimate import NO_CUDA_KERNELS_HELP, cuda_extra
 from memfit.estimate import add_parser as estimate_parser
 from memfit.flags import Parser, check_numbers
+from memfit.kernels import assume_cuda_extra
 from memfit.system import BudgetEntry, available_systems, load_system
 
 # ----------------------------------------------------------------------------------------------------
@@ -171,11 +173,13 @@ def _budget(args: argparse.Namespace) -> int:
     if args.system is not None and args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
         raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
-    rows = budget_rows(args.system, args.device)
+    extra = cuda_extra(args.device, False if args.no_cuda_kernels else None)
+    with assume_cuda_extra(extra):
+        rows = budget_rows(args.system, args.device)
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        kernels = "CUDA's kernels" if args.device == "cuda" else "the CPU's kernels"
+        kernels = f"CUDA's kernels {extra.describe()}" if args.device == "cuda" else "the CPU's kernels"
         print(f"Estimated peak of one paper-size training step (fake tensors, {kernels}; --json for details)")
         print(format_budget_table(rows))
     return 0 if all(r["fits"] is not False for r in rows) else 1
@@ -192,14 +196,15 @@ def _fit(args: argparse.Namespace) -> int:
     if args.gpu_gib is None:
         raise UsageError("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
     check_numbers(args, gpu_gib=">0", max_batch=">=1")
-    results = fit_system(args.system, args.gpu_gib, args.max_batch, args.variant)
-    if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
-        print(message, file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps([asdict(r) for r in results], indent=2))
-    else:
-        print(format_fit(args.system, args.gpu_gib, results))
+    with assume_cuda_extra(cuda_extra("cuda", False if args.no_cuda_kernels else None)):
+        results = fit_system(args.system, args.gpu_gib, args.max_batch, args.variant)
+        if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
+            print(message, file=sys.stderr)
+            return 2
+        if args.json:
+            print(json.dumps([asdict(r) for r in results], indent=2))
+        else:
+            print(format_fit(args.system, args.gpu_gib, results))
     return 0
 
 
@@ -288,12 +293,18 @@ def _main(argv: list[str] | None = None) -> int:
         default="cpu",
         help="whose kernels to estimate with (default cpu: what the calibration runs measure)",
     )
+    p.add_argument("--no_cuda_kernels", action="store_true", help=NO_CUDA_KERNELS_HELP)
     p.set_defaults(func=_budget)
     p = sub.add_parser("fit", help="largest batch (and whether checkpointing is needed) that fits a GPU")
     p.add_argument("--system", required=True)
     p.add_argument("--gpu_gib", type=float, help="GPU memory to fit, GiB (required)")
     p.add_argument("--variant", action="append", help="only these variants (repeatable)")
     p.add_argument("--max_batch", type=int, default=4096)
+    p.add_argument(
+        "--no_cuda_kernels",
+        action="store_true",
+        help=NO_CUDA_KERNELS_HELP.removeprefix("with --device cuda: "),
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_fit)
     estimate_parser(sub)

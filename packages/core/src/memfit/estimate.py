@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit import explain
+from memfit import explain, kernels, probes
 from memfit.errors import UsageError, run_command
 from memfit.memory import GIB
 from memfit.trace import (  # noqa: F401 - re-exported: the names `memfit.estimate` has always had
@@ -123,6 +123,7 @@ class EstimateResult:
     shard: str = "ddp"
     per_rank_bytes: int | None = None  # at the given batch, when ranks > 1
     extra: list[str] = field(default_factory=list)  # text sections after the main one
+    cuda_kernels: str | None = None  # on --device cuda: the cuda extra's kernels assumed (CudaExtra.describe)
 
     @property
     def peak_bytes(self) -> int:
@@ -155,6 +156,7 @@ class EstimateResult:
             "target": self.target.label,
             "setup": self.target.describe,
             "device": self.target.device,
+            **({"cuda_kernels": self.cuda_kernels} if self.cuda_kernels else {}),
             "knobs": self.target.knobs,
             "peak_gib": r.peak_gib,
             "params": r.params,
@@ -188,9 +190,13 @@ class EstimateResult:
     def format(self) -> str:
         r = self.trace.report
         cats = r.by_category
-        kernels = "CUDA kernels" if self.target.device == "cuda" else "CPU kernels"
+        used = (
+            f"CUDA kernels {self.cuda_kernels or ''}".rstrip()
+            if self.target.device == "cuda"
+            else "CPU kernels"
+        )
         lines = [
-            f"memfit estimate {self.target.label}: {self.target.describe}, {kernels}",
+            f"memfit estimate {self.target.label}: {self.target.describe}, {used}",
             f"peak {fmt_bytes(r.peak_bytes)} = params {fmt_bytes(cats.get('params', 0))} + grads "
             f"{fmt_bytes(cats.get('grads', 0))} + optimizer {fmt_bytes(cats.get('optimizer', 0))} + "
             f"activations {fmt_bytes(cats.get('activations', 0))}   ({r.params / 1e6:.2f}M parameters)",
@@ -249,6 +255,8 @@ def estimate(
     if ranks < 1 or top < 1 or max_batch < 1:
         raise UsageError("error: --ranks, --top and --max_batch must be at least 1")
     result = EstimateResult(target, trace_target(target), top, ranks=ranks, shard=shard)
+    if target.device == "cuda":
+        result.cuda_kernels = kernels.assumed_cuda_extra().describe()
     if what_ifs:
         result.what_ifs = explain.what_ifs(target, result.trace)
     knob = scale or ("batch" if what_ifs and "batch" in target.knobs else None)
@@ -283,6 +291,7 @@ def estimate_model(
     ranks: int = 1,
     shard: str = "ddp",
     top: int = 10,
+    cuda_kernels: bool | None = None,
 ) -> EstimateResult:
     """``memfit.estimate(...)``: the training-step memory of a model, from a notebook.
 
@@ -293,6 +302,8 @@ def estimate_model(
     float32); ``loss``: "classes", "same" or "sum" (as ``--target``); ``amp``: None, "bf16" or "fp16";
     ``device``: "cpu" or "cuda" (the kernels a CUDA run takes); ``explain``: the what-ifs (and the batch
     scaling); ``gpu_gib``: the largest batch under that GPU size; ``ranks`` / ``shard``: per-rank figures.
+    ``cuda_kernels`` (device "cuda"): whether the GPU has the ``cuda`` extra's Mamba kernels (None: what
+    this machine's GPU has, or yes without one; ``--no_cuda_kernels`` is False).
     The result's ``to_dict()`` is what ``memfit estimate --json`` prints.
     """
     if isinstance(model, nn.Module):
@@ -325,9 +336,27 @@ def estimate_model(
         )
     target = make_target(factory, label, texts, dtype, loss, amp_name)
     target.device = _device(device)
-    return estimate(
-        target, top, what_ifs=explain, scale=scale, gpu_gib=gpu_gib, margin=margin, ranks=ranks, shard=shard
-    )
+    with kernels.assume_cuda_extra(cuda_extra(target.device, cuda_kernels)):
+        return estimate(
+            target,
+            top,
+            what_ifs=explain,
+            scale=scale,
+            gpu_gib=gpu_gib,
+            margin=margin,
+            ranks=ranks,
+            shard=shard,
+        )
+
+
+def cuda_extra(device: str, cuda_kernels: bool | None) -> kernels.CudaExtra:
+    """The ``cuda`` extra's kernels a CUDA estimate assumes: none with ``cuda_kernels=False``
+    (``--no_cuda_kernels``), else what this machine's GPU has, or all without a GPU (the README's setup)."""
+    if cuda_kernels is False and device != "cuda":
+        raise UsageError("error: --no_cuda_kernels is about a CUDA run: give --device cuda (or --gpu_gib)")
+    if cuda_kernels is False:
+        return kernels.NO_CUDA_EXTRA
+    return probes.cuda_extra_here() if device == "cuda" else kernels.CudaExtra()
 
 
 def _device(name: str) -> str:
@@ -349,6 +378,12 @@ sys.modules[__name__].__class__ = _CallableModule
 # ----------------------------------------------------------------------------------------------------
 # `memfit estimate`
 # ----------------------------------------------------------------------------------------------------
+
+
+NO_CUDA_KERNELS_HELP = (
+    "with --device cuda: a GPU without the cuda extra's mamba_ssm and causal-conv1d (the Mamba torch-op "
+    "path); default: what this machine's GPU has, or the extra installed when there is no GPU"
+)
 
 
 def add_parser(sub) -> None:
@@ -380,6 +415,7 @@ def add_parser(sub) -> None:
         help="whose kernels to model: cuda = what a CUDA run keeps (fused attention, CUDA autocast, 512-byte "
         "allocator blocks); default cuda with --gpu_gib, else cpu",
     )
+    p.add_argument("--no_cuda_kernels", action="store_true", help=NO_CUDA_KERNELS_HELP)
     p.add_argument(
         "--target",
         dest="loss_target",
@@ -410,17 +446,18 @@ def _main(args) -> int:
     device = _device(args.device or ("cuda" if args.gpu_gib is not None else "cpu"))
     target = load_target(args.target, args.input, args.dtype, args.loss_target, args.amp)
     target.device = device
-    result = estimate(
-        target,
-        args.top,
-        what_ifs=args.explain,
-        scale=args.scale,
-        gpu_gib=args.gpu_gib,
-        margin=args.margin,
-        ranks=args.ranks,
-        shard=args.shard,
-        max_batch=args.max_batch,
-    )
+    with kernels.assume_cuda_extra(cuda_extra(device, False if args.no_cuda_kernels else None)):
+        result = estimate(
+            target,
+            args.top,
+            what_ifs=args.explain,
+            scale=args.scale,
+            gpu_gib=args.gpu_gib,
+            margin=args.margin,
+            ranks=args.ranks,
+            shard=args.shard,
+            max_batch=args.max_batch,
+        )
     fit = result.fit
     if fit is not None and fit.batch == 0:
         raise UsageError(

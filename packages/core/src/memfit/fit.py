@@ -102,7 +102,12 @@ def nothing_fits(system: str, gpu_gib: float, results: list[FitResult]) -> str |
 
 
 def format_fit(system: str, gpu_gib: float, results: list[FitResult]) -> str:
-    lines = [f"{system}: the largest batch whose training step (estimated for CUDA) fits {gpu_gib:g} GiB"]
+    from memfit.kernels import assumed_cuda_extra
+
+    lines = [
+        f"{system}: the largest batch whose training step (estimated for CUDA, "
+        f"{assumed_cuda_extra().describe()}) fits {gpu_gib:g} GiB"
+    ]
     lines.append(f"{'variant':<14} {'checkpointing':<13} {'batch':>6} {'peak GiB':>9} {'next GiB':>9}")
     for r in results:
         nxt = "-" if r.next_gib is None else f"{r.next_gib:.2f}"

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit import _scan_kernel as _K
-from memfit import probes, ssm
+from memfit import kernels, probes, ssm
 
 try:  # causal-conv1d's CUDA kernel: optional, its import fails without CUDA.
     from causal_conv1d import causal_conv1d_fn as _causal_conv1d_fn
@@ -66,8 +66,9 @@ class MambaConfig:
 
 def _fused_cpu(x: torch.Tensor) -> bool:
     """CPU tensors with the fused kernels built (memfit/_scan_kernel.c). Fake tensors (memory estimates)
-    take it too: the conv ops' fake implementations make the outputs the kernel makes."""
-    return x.device.type == "cpu" and _K.available()
+    take it too: the conv ops' fake implementations make the outputs the kernel makes (and stand in for
+    causal-conv1d's, except in a CUDA estimate for a GPU without it: ``memfit.kernels.cuda_target_lacks``)."""
+    return x.device.type == "cpu" and not kernels.cuda_target_lacks("conv") and _K.available()
 
 
 # The fused depthwise causal conv1d + SiLU as torch ops, memfit::conv_fwd and memfit::conv_bwd, on the

@@ -887,7 +887,8 @@ def estimate_training_step(
     ``by_module`` holds, per top-level module, the bytes its forward leaves alive (saved for backward).
 
     ``device="cuda"``: what a CUDA run keeps (``memfit.kernels``: CUDA's SDPA backends and autocast policy,
-    the caching allocator's 512-byte blocks); the trace itself still runs on fake CPU tensors.
+    the caching allocator's 512-byte blocks; the Mamba kernels ``kernels.assume_cuda_extra`` says the GPU
+    has, by default mamba_ssm's and causal-conv1d's); the trace itself still runs on fake CPU tensors.
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
@@ -900,7 +901,8 @@ def estimate_training_step(
         report = _tracked_steps(
             step, steps, fake=True, device=torch.device("cpu"), tracker=tracker, prime=prime
         )
-    report.method = f"estimated (FakeTensorMode on CPU{', CUDA kernels' if cuda else ''})"
+    extra = f", CUDA kernels {kernels.assumed_cuda_extra().describe()}" if cuda else ""
+    report.method = f"estimated (FakeTensorMode on CPU{extra})"
     return report
 
 

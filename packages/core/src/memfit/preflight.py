@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from memfit import kernels, probes
 from memfit.errors import UsageError, first_line
 from memfit.memory import GIB, TrainStep, estimate_training_step
 
@@ -103,7 +104,10 @@ class Preflight:
 def _needs(make: MemoryStep, batch: int, checkpointing: bool, device: torch.device) -> int:
     """Bytes the process needs for a step: the estimated tensor peak times the device's OVERHEAD."""
     target = "cuda" if device.type == "cuda" else "cpu"  # the kernels (and allocator) the run will use
-    tensors = estimate_training_step(make(batch, checkpointing), device=target).peak_bytes
+    # on CUDA the Mamba kernels this GPU has: without mamba_ssm the torch-op scan needs 2-3x the memory
+    extra = probes.cuda_extra(device) if target == "cuda" else kernels.assumed_cuda_extra()
+    with kernels.assume_cuda_extra(extra):
+        tensors = estimate_training_step(make(batch, checkpointing), device=target).peak_bytes
     return int(tensors * OVERHEAD.get(device.type, OVERHEAD["cuda"]))
 
 

@@ -31,6 +31,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from memfit.kernels import CudaExtra
+
 KERNELS = {
     "selective_scan": "mamba_ssm selective_scan_fn",
     "causal_conv1d": "causal_conv1d_fn",
@@ -354,3 +356,21 @@ def flash_ok(fn, q, k, v) -> bool:
         problem = f"its probe on {q.device}: {res.detail}"
     _fall_back("flash_attn", problem)
     return False
+
+
+def cuda_extra(device=None) -> CudaExtra:
+    """The ``cuda`` extra's Mamba kernels a run on this CUDA device uses (each installed and its probe
+    passed): what its memory pre-flight estimates with (``memfit.kernels.CudaExtra``)."""
+    from memfit import mamba, ssm
+
+    device = torch.device("cuda") if device is None else torch.device(device)
+    return CudaExtra(
+        scan=probe("selective_scan", ssm._mamba_scan_fn, device).ok,
+        conv=probe("causal_conv1d", mamba._causal_conv1d_fn, device).ok,
+    )
+
+
+def cuda_extra_here() -> CudaExtra:
+    """What a CUDA estimate assumes unless told: on a machine with a GPU, what ``cuda_extra`` finds there;
+    without one, the extra installed and working (the README's GPU setup; ``--no_cuda_kernels``: not)."""
+    return cuda_extra() if torch.cuda.is_available() else CudaExtra()

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from memfit import _scan_kernel as _K
-from memfit import probes
+from memfit import kernels, probes
 
 try:  # mamba_ssm's fused CUDA kernel: optional, and its import fails on machines without CUDA.
     from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as _mamba_scan_fn
@@ -846,8 +846,9 @@ def _use_fused_cpu(u: torch.Tensor, N: int) -> bool:
     """The fused kernel runs CPU tensors with N <= its NMAX when it is built. Fake CPU tensors (memory
     estimates) take the same path: the ops' fake implementations make the outputs the kernel makes, so an
     estimate equals the measured CPU step (a CUDA run without mamba_ssm takes the torch-op path, which
-    also holds about four (batch, chunk, N, dim) buffers)."""
-    if u.device.type != "cpu":
+    also holds about four (batch, chunk, N, dim) buffers, which a CUDA estimate for a GPU without mamba_ssm
+    traces: ``memfit.kernels.cuda_target_lacks``)."""
+    if u.device.type != "cpu" or kernels.cuda_target_lacks("scan"):
         return False
     return N <= _K.NMAX and _K.available()
 
