@@ -226,7 +226,10 @@ def assumed_cuda_extra() -> CudaExtra:
 
 def cuda_target_lacks(kernel: str) -> bool:
     """True while a CUDA-target trace runs for a GPU without ``kernel`` ("scan" or "conv"): the Mamba
-    dispatch then takes the torch-op path that GPU run takes instead of the fused CPU kernel's fake ops."""
+    dispatch then takes the torch-op path that GPU run takes instead of the fused CPU kernel's fake ops.
+    Never while torch.compile traces (an estimate is not compiled; dynamo cannot read a ContextVar)."""
+    if torch.compiler.is_compiling():
+        return False
     extra = _traced.get()
     return extra is not None and not getattr(extra, kernel)
 
