@@ -273,3 +273,35 @@ def test_torch_compile_of_a_mamba_block_runs_the_fused_kernels():
         assert g.abs().max() > 0, name
         same = torch.allclose(compiled[2][name], g, rtol=1e-6, atol=1e-7)
         assert same, f"{name}: compiled {compiled[2][name].abs().max()} vs eager {g.abs().max()}"
+
+
+def test_an_estimate_does_not_wait_for_the_kernel_build(tmp_path, monkeypatch):
+    """A memory estimate takes the fused kernel's fake ops without building it (the first `train` pre-flight
+    on a machine stays fast); the lane count it sizes buffers by is the one the built kernel reports, and
+    the estimate is the same before and after the build."""
+    from memfit import _scan_kernel as K
+
+    if not K.available():
+        pytest.skip("no C compiler: the fused kernel is not used here")
+    monkeypatch.setenv("MEMFIT_CACHE", str(tmp_path))
+    K.library.cache_clear()
+    try:
+
+        def step():
+            cfg = MambaConfig(32, d_state=8, chunk_size=16)
+            return TrainStep(
+                build_model=lambda: Mamba(cfg),
+                make_batch=lambda device: torch.randn(4, 100, 32, device=device),
+                loss=lambda model, x: model(x).square().mean(),
+                amp_dtype=None,
+            )
+
+        before = estimate_training_step(step()).peak_bytes
+        assert not list(tmp_path.iterdir()) and K.library.cache_info().currsize == 0  # nothing built
+        assert K.library() is not None and list(
+            tmp_path.glob("scan_kernel-*.so")
+        )  # the first real use builds
+        assert all(K.lanes(s) == K._predefined_lanes(s) for s in ("f32", "f64"))
+        assert estimate_training_step(step()).peak_bytes == before
+    finally:
+        K.library.cache_clear()

@@ -101,6 +101,9 @@ def _build(cc: str, out: Path) -> None:
         os.replace(so, out)  # atomic: a process compiling beside us never sees half a file
 
 
+_failed: list[str] = []  # why a build failed (then available() is False from there on)
+
+
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None when it cannot be had here (the caller falls back)."""
@@ -124,6 +127,7 @@ def library() -> ctypes.CDLL | None:
         detail = e.stderr.decode(errors="replace")[-500:] if hasattr(e, "stderr") and e.stderr else e
         msg = f"memfit: the fused CPU scan kernel is unavailable ({detail}); using torch ops"
         warnings.warn(msg, stacklevel=3)
+        _failed.append(str(detail))
         return None
     abi = (ctypes.c_int64 * 6)()
     lib.scan_abi(abi)
@@ -135,6 +139,10 @@ def library() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{sfx}")
             fn.argtypes, fn.restype = [ctypes.POINTER(struct)], ctypes.c_int
         getattr(lib, f"scan_lanes_{sfx}").restype = ctypes.c_int
+        if lib[f"scan_lanes_{sfx}"]() != _predefined_lanes(sfx):  # estimates made before the build used these
+            warnings.warn(
+                f"memfit: the scan kernel's {sfx} lanes differ from the compiler's macros", stacklevel=3
+            )
     return lib
 
 
@@ -147,14 +155,39 @@ def threads() -> int:
 
 @torch.compiler.assume_constant_result
 def available() -> bool:
-    """Whether the kernel is built (or can be now)."""
-    return library() is not None
+    """Whether the kernel is built or can be built here: a C compiler is found and no build has failed. The
+    build itself waits for the first real call (library()), so a memory estimate, whose fake tensors never
+    reach the kernel, does not wait for the compiler (the first `train` pre-flight on a machine)."""
+    if os.environ.get("MEMFIT_SCAN_KERNEL", "1") == "0" or os.name != "posix" or _compiler() is None:
+        return False
+    return not _failed
 
 
 @torch.compiler.assume_constant_result
 def lanes(sfx: str) -> int:
-    """Channels per work item of the kernel's channel-lane path ("f32" or "f64")."""
-    return getattr(library(), f"scan_lanes_{sfx}")()
+    """Channels per work item of the kernel's channel-lane path ("f32" or "f64"): the built kernel's, or,
+    before it is built, what the compiler's predefined macros say it will be (the same rule as the C file's
+    LANES32: 16 with AVX-512, else 8; f64 half that)."""
+    if library.cache_info().currsize:
+        lib = library()
+        if lib is not None:
+            return getattr(lib, f"scan_lanes_{sfx}")()
+    return _predefined_lanes(sfx)
+
+
+@cache
+def _predefined_lanes(sfx: str) -> int:
+    cc = _compiler()
+    flags = [f for f in FLAGS if f not in ("-shared", "-fPIC", "-pthread")]
+    try:
+        out = subprocess.run(
+            [cc, *flags, "-dM", "-E", "-x", "c", os.devnull], check=True, capture_output=True, text=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError, TypeError):
+        lib = library()  # the compiler cannot say: build and ask the kernel
+        return getattr(lib, f"scan_lanes_{sfx}")() if lib is not None else 8
+    lanes32 = 16 if "#define __AVX512F__ 1" in out else 8
+    return lanes32 if sfx == "f32" else lanes32 // 2
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
@@ -169,6 +202,11 @@ def bdl(x: torch.Tensor | None) -> Strides:
 def call(name: str, args: ScanArgs | ConvArgs) -> None:
     """Run kernel ``name`` (e.g. "scan_fwd_f32") on its argument struct."""
     if library() is None:
-        raise RuntimeError("memfit: the fused CPU scan kernel is not available")
+        from memfit.errors import UsageError
+
+        raise UsageError(
+            "error: the fused CPU scan kernel could not be built here (the warning above says why); "
+            "set MEMFIT_SCAN_KERNEL=0 to use torch ops"
+        )
     if getattr(library(), name)(ctypes.byref(args)) != 0:
         raise MemoryError(f"memfit: {name} could not allocate its work buffers")
