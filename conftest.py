@@ -6,25 +6,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-
-def _cuda_problem() -> str | None:
-    if torch.version.cuda is None:
-        return f"torch {torch.__version__} is a CPU-only build"
-    try:
-        if torch.cuda.is_available():
-            return None
-    except Exception as e:  # noqa: BLE001 - a broken driver can raise
-        return f"CUDA failed to start: {e}"
-    return f"torch is built for CUDA {torch.version.cuda} but finds no usable GPU (driver too old, or none)"
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
     # a wrapper runs before every other setup hook, skipif marks included: a `cuda` test fails here
-    if "cuda" in item.keywords and (problem := _cuda_problem()) is not None:
-        pytest.fail(f"a `cuda` test needs CUDA: {problem} (`uv run memfit doctor` says more)", pytrace=False)
+    if "cuda" in item.keywords:
+        from memfit.doctor import cuda_state
+
+        ok, why = cuda_state()
+        if not ok:
+            pytest.fail(f"a `cuda` test needs CUDA: {why} (`uv run memfit doctor` says more)", pytrace=False)
     return (yield)
