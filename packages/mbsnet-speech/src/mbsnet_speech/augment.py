@@ -4,7 +4,7 @@ as the microphone heard it and the noisy input is exactly target + noise (same l
 
 Every function keeps the length of its input and the time alignment (zero-phase filters, causal room
 responses whose direct path is at lag 0). `Augment` holds the probability of each; the CPU recipe keeps
-the ones that helped on held-out voices (docs/speech.md).
+the ones that were not below plain runs on held-out voices (docs/results.md).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ class Augment:
     bandlimit: float = 0.0  # a narrow-band recording: speech and noise low-passed at 3.4..7 kHz
 
     def __post_init__(self) -> None:
+        check_fields(self, **dict.fromkeys(self.__dataclass_fields__, ">=0"))
         for name in self.__dataclass_fields__:
-            check_fields(self, **{name: ">=0"})
             if getattr(self, name) > 1:
                 raise ValueError(f"augment {name}={getattr(self, name):g} is a probability; give 0..1")
 

@@ -414,6 +414,7 @@ class MixSource:
     noise: list[Path] | None = None  # None: the built-in kinds, MIX_NOISE_KINDS
     snr: tuple[float, float] = MIX_SNR
     builtin: float = 0.0  # with noise files: the share of mixes that take a built-in kind instead
+    kinds: tuple[str, ...] = MIX_NOISE_KINDS  # the built-in kinds drawn from
 
     def __post_init__(self) -> None:
         _check_snr(self.snr)
@@ -424,7 +425,7 @@ class MixSource:
     def noise_clip(self, n: int, rng: np.random.Generator) -> np.ndarray:
         if self.noise and not rng.random() < self.builtin:
             return _crop_or_tile(_load_cached(str(self.noise[int(rng.integers(len(self.noise)))])), n, rng)
-        return make_noise(MIX_NOISE_KINDS[int(rng.integers(len(MIX_NOISE_KINDS)))], n, rng)
+        return make_noise(self.kinds[int(rng.integers(len(self.kinds)))], n, rng)
 
 
 @dataclass
@@ -553,16 +554,17 @@ def split_groups(
     named validation group is present, `auto` groups (a fixed choice, at most a quarter of them) are held
     out; with fewer than 4 groups nothing is held out by group (val and test empty)."""
     root = Path(root)
-    groups = sorted({group_of(f, root) for f in files})
+    group = {f: group_of(f, root) for f in files}
+    groups = sorted(set(group.values()))
     test_g = [g for g in groups if any(_matches(g, n) for n in test)]
     rest = [g for g in groups if g not in test_g]
     val_g = [g for g in rest if any(_matches(g, n) for n in val)]
     if not val_g and auto and len(rest) >= 4:
         perm = np.random.default_rng(4321).permutation(len(rest))
         val_g = sorted(rest[int(i)] for i in perm[: min(auto, len(rest) // 4)])
-    train = [f for f in files if group_of(f, root) not in val_g + test_g]
-    v = [f for f in files if group_of(f, root) in val_g]
-    t = [f for f in files if group_of(f, root) in test_g]
+    train = [f for f in files if group[f] not in val_g + test_g]
+    v = [f for f in files if group[f] in val_g]
+    t = [f for f in files if group[f] in test_g]
     return train, v, t, val_g, test_g
 
 
@@ -596,18 +598,16 @@ def heldout_mixes(
     out = []
     for k, i in enumerate(idx):
         rng = pair_rng(seed, k, 0, HELDOUT_STREAM)
-        c = read_wav(clean[int(i)])
-        n = len(c) if seconds is None else min(len(c), int(seconds * SAMPLE_RATE))
+        utterance = clean[int(i)]
+        length = len(_load_cached(str(utterance)))  # the mix below reads it from the same cache
+        n = length if seconds is None else min(length, int(seconds * SAMPLE_RATE))
         if noise:
             path = noise[int(rng.integers(len(noise)))]
-            src = MixSource([clean[int(i)]], [path], snr)
-            label = group_of(path, path.parent)
+            src, label = MixSource([utterance], [path], snr), group_of(path, path.parent)
         else:
-            kind = MIX_NOISE_KINDS[k % len(MIX_NOISE_KINDS)]
-            src = MixSource([clean[int(i)]], None, snr)
-            src.noise_clip = lambda m, r, kind=kind: make_noise(kind, m, r)  # type: ignore[method-assign]
-            label = kind
+            label = MIX_NOISE_KINDS[k % len(MIX_NOISE_KINDS)]
+            src = MixSource([utterance], None, snr, kinds=(label,))
         noisy, cl, s = mix_batch(src, 1, n, rng)
-        name = f"{clean[int(i)].stem}_{label}_{float(s[0]):.0f}dB.wav"
+        name = f"{utterance.stem}_{label}_{float(s[0]):.0f}dB.wav"
         out.append((name, noisy[0], cl[0]))
     return out

@@ -2,7 +2,7 @@
 
 IN is an audio file or a folder of them; files are read, enhanced and written in blocks (chunks that
 overlap and are cross-faded), so memory stays bounded whatever the file length. Without --run it uses
-the model shipped in the package (docs/speech.md says what it was trained on and what it scores).
+the model shipped in the package (docs/results.md says what it was trained on and what it scores).
 """
 
 from __future__ import annotations
@@ -154,8 +154,8 @@ def enhance_file(
 ) -> Path:
     """Enhance one audio file (any rate, any channels) into a 16 kHz mono wav with a run's model, an
     exported one, or (run None) the model shipped in the package; returns dst."""
+    check_outputs([dst], [src], overwrite=True)  # before the model loads: a refusal costs nothing
     model = load_model(shipped_model() if run is None else run, device, pcs=pcs)
-    check_outputs([dst], [src], overwrite=True)
     enhance_stream(model_fn(model), src, dst)
     return Path(dst)
 

@@ -253,15 +253,13 @@ def eval_sets(args, trained: dict) -> list[tuple[str, list]]:
     if data:
         items = load_pairs(data, args.pairs, args.seconds, args.limit)
         sets.append((f"{len(items)} pairs from {data} ({'test split' if _has_test(data) else 'all'})", items))
-    noise, noise_label = _heldout_noise(args, trained)
     clean = args.clean if explicit else _existing(trained.get("clean"))
+    if clean or args.speech:
+        noise, noise_label = _heldout_noise(args, trained)
     if clean:
         voices = args.voices if args.voices is not None else tuple(trained.get("test_voices") or ())
         files = audio_files(clean, "--clean")
-        _, val, test, val_g, test_g = split_groups(
-            files, clean, tuple(trained.get("val_voices") or ()), voices
-        )
-        chosen, groups = (test, test_g) if test else (val, val_g)
+        chosen, groups = _held_out(files, clean, trained.get("val_voices"), voices, auto=3)
         if not chosen:
             raise ValueError(
                 f"no held-out voice in {clean}; name voices with --voices (e.g. --voices krb,lj)"
@@ -289,16 +287,19 @@ def _heldout_noise(args, trained: dict) -> tuple[list[Path] | None, str]:
     folder = args.noise or _existing(trained.get("noise"))
     if not folder:
         return None, "built-in noises"
-    files = audio_files(folder, "--noise")
     names = args.noises if args.noises is not None else tuple(trained.get("test_noises") or ())
-    _, val, test, val_g, test_g = split_groups(
-        files, folder, tuple(trained.get("val_noises") or ()), names, 0
-    )
-    if test:
-        return test, f"held-out noises {', '.join(test_g)}"
-    if val:
-        return val, f"held-out noises {', '.join(val_g)}"
+    files = audio_files(folder, "--noise")
+    chosen, groups = _held_out(files, folder, trained.get("val_noises"), names, auto=0)
+    if chosen:
+        return chosen, f"held-out noises {', '.join(groups)}"
     return files, f"noises of {folder}"
+
+
+def _held_out(files: list[Path], root: str, val: list | None, test: tuple, auto: int) -> tuple[list, list]:
+    """(files, groups) held out from training: the `test` groups, else the run's validation groups `val`
+    (data.split_groups); ([], []) when there is neither."""
+    _, v, t, val_g, test_g = split_groups(files, root, tuple(val or ()), test, auto)
+    return (t, test_g) if t else (v, val_g)
 
 
 def score_set(fn, label: str, items: list, out_dir: Path, first: bool) -> dict:
