@@ -1,17 +1,20 @@
 """Inference settings (perceptual contrast stretching on / off, the share of noisy input kept), scored on a
 run's OWN validation files (never a test split).
 
-    uv run python tools/mbsnet_pcs_val.py RUN
+    uv run python tools/mbsnet_pcs_val.py RUN [RUN_OR_CHECKPOINT ...] [--files N] [--keep 0,0.05]
 
-RUN is a run folder or checkpoint. The files are the ones `train` validated that run on, rebuilt from the
-settings its checkpoint carries: held-out voices x held-out noise recordings for `--clean`, the pairs
-held out of `--data`, or the generated held-out pairs. One thread. Prints PESQ-wb, STOI and SI-SDR of the
-noisy input, of the model with PCS off and on, and with PCS on and 5, 10, 20% of the noisy input kept.
+Each RUN is a run folder (its best.pt) or a checkpoint. The files are the ones `train` validated the first
+run on, rebuilt from the settings its checkpoint carries: held-out voices x held-out noise recordings for
+`--clean`, the pairs held out of `--data`, or the generated held-out pairs; `--files N` scores N of them
+instead of the run's `--val_files` (more files, less noise when comparing runs). One thread. Prints PESQ-wb,
+STOI and SI-SDR of the noisy input, then of each run with PCS off and on, and with PCS on and 5, 10, 20% of
+the noisy input kept; `--keep` lists the kept shares to score instead (PCS as the run has it).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 import torch
 from mbsnet_speech.config import TrainConfig
@@ -24,19 +27,35 @@ from memfit.settings import flatten, override
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run")
+    ap.add_argument("runs", nargs="+", metavar="RUN")
+    ap.add_argument("--files", type=int, help="validation files to score (none: the run's --val_files)")
+    ap.add_argument("--keep", help="comma-separated shares of noisy input kept, e.g. 0,0.05")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    _, state = SYSTEM.load_model(a.run, "cpu")
+    _, state = SYSTEM.load_model(a.runs[0], "cpu")
     t = override(TrainConfig(), flatten(state["settings"]["train"], TrainConfig()))
+    if a.files:
+        t = replace(t, val_files=a.files)
     items = build_data(t, int(t.seconds * SAMPLE_RATE))[1]
-    rows = {"noisy": score_model(None, items)}
-    for pcs, keep in ((False, 0.0), (True, 0.0), (True, 0.05), (True, 0.1), (True, 0.2)):
-        model, state = SYSTEM.load_model(a.run, "cpu", pcs=pcs, keep_noisy=keep)
-        rows[f"pcs {'on' if pcs else 'off'}, keep {keep:g}"] = score_model(model, items)
-    print(f"{state['path']} (step {state['step']}), {len(items)} validation files, 1 thread")
-    for name, r in rows.items():
-        print(f"  {name:18s} PESQ-wb {r['pesq']:.3f}  STOI {r['stoi']:.4f}  SI-SDR {r['si_sdr']:.2f} dB")
+    if a.keep:
+        settings = [(None, float(k)) for k in a.keep.split(",")]
+    else:
+        settings = [(False, 0.0), (True, 0.0), (True, 0.05), (True, 0.1), (True, 0.2)]
+    print(f"{len(items)} validation files of {a.runs[0]}, 1 thread")
+    show("noisy", score_model(None, items))
+    for run in a.runs:
+        for pcs, keep in settings:
+            kw = {"keep_noisy": keep} if pcs is None else {"pcs": pcs, "keep_noisy": keep}
+            model, state = SYSTEM.load_model(run, "cpu", **kw)
+            pcs_on = model.cfg.pcs
+            show(
+                f"{state['path']} (step {state['step']}) pcs {'on' if pcs_on else 'off'}, keep {keep:g}",
+                score_model(model, items),
+            )
+
+
+def show(name: str, r: dict) -> None:
+    print(f"  {name}: PESQ-wb {r['pesq']:.3f}  STOI {r['stoi']:.4f}  SI-SDR {r['si_sdr']:.2f} dB", flush=True)
 
 
 if __name__ == "__main__":

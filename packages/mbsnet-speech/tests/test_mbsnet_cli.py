@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
-from memfit.errors import run_command
+from memfit.errors import UsageError, run_command
 
 pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba block) is not installed yet")
 
@@ -241,3 +241,16 @@ def test_paper_config_trains_without_layer_recompute_on_cpu_unless_asked():
     assert recompute("--config", "default", "--checkpointing") is True
     assert recompute("--config", "cpu") is False  # the CPU recipe's preset has none
     assert recompute("--config", "cpu", "--checkpointing") is True
+
+
+def test_hop_flag_sets_the_stft_hop_and_refuses_one_longer_than_the_window():
+    """--hop changes the model's STFT hop over the preset's (100 samples; the generalising recipe's 200);
+    a hop longer than the 400-sample window is one line naming the limit."""
+
+    def hop(*flags):
+        return train.build_parser().parse(["--device", "cpu", *flags]).settings.model.hop
+
+    assert hop("--config", "cpu") == 100 and hop("--config", "default") == 100
+    assert hop("--config", "cpu", "--hop", "200") == 200
+    with pytest.raises(UsageError, match="hop must be in 1..win"):
+        train.build_parser().parse(["--device", "cpu", "--config", "cpu", "--hop", "500"])

@@ -93,6 +93,7 @@ def build_parser() -> TrainParser:
     )
     p.flag(m, "--layers", path="model.num_layers", type=int, help="encoder layers")
     p.flag(m, "--channels", path="model.channels", type=int, help="channel width")
+    p.flag(m, "--hop", path="model.hop", type=int, help="STFT hop in samples (16 kHz; window 400)")
     p.flag(
         m,
         "--bidirectional",
