@@ -196,15 +196,16 @@ def _fit(args: argparse.Namespace) -> int:
     if args.gpu_gib is None:
         raise UsageError("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
     check_numbers(args, gpu_gib=">0", max_batch=">=1")
-    with assume_cuda_extra(cuda_extra("cuda", False if args.no_cuda_kernels else None)):
+    extra = cuda_extra("cuda", False if args.no_cuda_kernels else None)
+    with assume_cuda_extra(extra):
         results = fit_system(args.system, args.gpu_gib, args.max_batch, args.variant)
-        if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
-            print(message, file=sys.stderr)
-            return 2
-        if args.json:
-            print(json.dumps([asdict(r) for r in results], indent=2))
-        else:
-            print(format_fit(args.system, args.gpu_gib, results))
+    if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
+        print(message, file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([asdict(r) for r in results], indent=2))
+    else:
+        print(format_fit(args.system, args.gpu_gib, results, extra.describe()))
     return 0
 
 

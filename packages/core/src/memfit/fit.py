@@ -101,12 +101,11 @@ def nothing_fits(system: str, gpu_gib: float, results: list[FitResult]) -> str |
     )
 
 
-def format_fit(system: str, gpu_gib: float, results: list[FitResult]) -> str:
-    from memfit.kernels import assumed_cuda_extra
-
+def format_fit(system: str, gpu_gib: float, results: list[FitResult], kernels: str) -> str:
+    """The fit table; ``kernels``: how the estimates' CUDA kernels are named (``CudaExtra.describe``)."""
     lines = [
-        f"{system}: the largest batch whose training step (estimated for CUDA, "
-        f"{assumed_cuda_extra().describe()}) fits {gpu_gib:g} GiB"
+        f"{system}: the largest batch whose training step (estimated for CUDA, {kernels}) "
+        f"fits {gpu_gib:g} GiB"
     ]
     lines.append(f"{'variant':<14} {'checkpointing':<13} {'batch':>6} {'peak GiB':>9} {'next GiB':>9}")
     for r in results:
