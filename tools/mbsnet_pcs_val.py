@@ -37,21 +37,21 @@ def main() -> None:
     if a.files:
         t = replace(t, val_files=a.files)
     items = build_data(t, int(t.seconds * SAMPLE_RATE))[1]
-    if a.keep:
-        settings = [(None, float(k)) for k in a.keep.split(",")]
+    if a.keep:  # PCS as the run has it
+        settings = [{"keep_noisy": float(k)} for k in a.keep.split(",")]
     else:
-        settings = [(False, 0.0), (True, 0.0), (True, 0.05), (True, 0.1), (True, 0.2)]
+        settings = [
+            {"pcs": pcs, "keep_noisy": k}
+            for pcs, k in ((False, 0), (True, 0), (True, 0.05), (True, 0.1), (True, 0.2))
+        ]
     print(f"{len(items)} validation files of {a.runs[0]}, 1 thread")
     show("noisy", score_model(None, items))
     for run in a.runs:
-        for pcs, keep in settings:
-            kw = {"keep_noisy": keep} if pcs is None else {"pcs": pcs, "keep_noisy": keep}
+        for kw in settings:
             model, state = SYSTEM.load_model(run, "cpu", **kw)
-            pcs_on = model.cfg.pcs
-            show(
-                f"{state['path']} (step {state['step']}) pcs {'on' if pcs_on else 'off'}, keep {keep:g}",
-                score_model(model, items),
-            )
+            pcs = "on" if model.cfg.pcs else "off"
+            name = f"{state['path']} (step {state['step']}) pcs {pcs}, keep {model.cfg.keep_noisy:g}"
+            show(name, score_model(model, items))
 
 
 def show(name: str, r: dict) -> None:
