@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -48,9 +47,9 @@ PRESETS = {
 def parser() -> TrainParser:
     p = TrainParser("toy", "a toy", PRESETS, default="small")
     g = p.group("toy")
-    p.flag(g, "--width", path="model.width", type=int, help="width")
-    p.flag(g, "--deep", path="model.deep", action=argparse.BooleanOptionalAction, help="deep")
-    p.flag(g, "--lr", path="train.lr", type=float, help="learning rate")
+    p.flag(g, "--width", path="model.width", help="width")  # type, action: from the field's annotation
+    p.flag(g, "--deep", path="model.deep", help="deep")
+    p.flag(g, "--lr", path="train.lr", help="learning rate")
     p.flag(g, "--snr", path="train.snr", type=float, nargs=2, help="snr range")
     p.flag(g, "--loss", path="train.loss", expand=True, help="weights",
            type=lambda s: {k: float(v) for k, v in (x.split("=") for x in s.split(","))})  # fmt: skip
@@ -89,6 +88,19 @@ def test_flags_override_the_preset_and_help_shows_every_presets_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "width (default 8; --config big: 64)" in text
     assert "optimizer steps" in text and "--config big: 500" in text
+
+
+def test_a_flag_takes_its_type_from_the_fields_annotation():
+    run = parser().parse(["--width", "32", "--deep", "--lr", "0.01"])
+    assert (run.settings.model.width, run.settings.model.deep, run.settings.train.lr) == (32, True, 0.01)
+    assert parser().parse(["--config", "big", "--no-deep"]).settings.model.deep is False
+    with pytest.raises(UsageError, match="--width: invalid int value: '1.5'"):
+        parser().parse(["--width", "1.5"])
+    p = parser()
+    with pytest.raises(
+        TypeError, match=r"flag --weights \(train.loss\): its field's type .*Weights.* give type="
+    ):
+        p.flag(p.group("x"), "--weights", path="train.loss", help="no flag form")
 
 
 def test_a_time_budget_without_steps_trains_until_the_budget():

@@ -297,6 +297,23 @@ def _fmt(value: Any) -> str:
     return "none" if value is None else str(value)
 
 
+def _from_annotation(hint: Any, flag: str) -> dict[str, Any]:
+    """argparse keywords for a field's annotation: bool -> --x/--no-x, int/float -> type, str (or X | None
+    of these) -> as given, Literal -> choices. Other types need the flag's own `type`."""
+    options = [h for h in typing.get_args(hint) if h is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(options) == 1:
+        hint = options[0]
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if hint in (int, float):
+        return {"type": hint}
+    if hint is str:
+        return {}
+    if typing.get_origin(hint) is typing.Literal:
+        return {"choices": list(typing.get_args(hint))}
+    raise TypeError(f"flag {flag}: its field's type {hint} has no flag form; give type=")
+
+
 class TrainParser:
     """The `train` command line of one system: its presets, and flags each bound to a settings path.
 
@@ -361,8 +378,11 @@ class TrainParser:
         **kwargs: Any,
     ) -> None:
         """A flag that sets the settings at `path`; `hidden` are old spellings (accepted, not shown);
-        with expand the flag's value is a dict of fields under `path` (e.g. --loss mag=0.9)."""
+        with expand the flag's value is a dict of fields under `path` (e.g. --loss mag=0.9). Without a
+        `type`, `action` or `choices`, the field's annotation gives them (`_from_annotation`)."""
         dest = kwargs.pop("dest", names[0].lstrip("-").replace("-", "_"))
+        if not {"type", "action", "choices"} & kwargs.keys():
+            kwargs.update(_from_annotation(self._field_hint(path), f"{names[0]} ({path})"))
         text = help + (f" ({self._defaults_text(path)})" if show_default else "")
         group.add_argument(*names, dest=dest, default=argparse.SUPPRESS, help=text, **kwargs)
         for old in hidden:
@@ -372,46 +392,34 @@ class TrainParser:
             self.expand.add(dest)
         self.flag_names.setdefault(path, names[0])
 
-    def optimizer_flags(self, group: argparse._ArgumentGroup) -> None:
-        """--lr, --weight_decay and --warmup, bound to train.lr, train.weight_decay and train.warmup: the
-        AdamW + WarmupCosine recipe's three numbers, spelt the same in every system."""
-        self.flag(group, "--lr", path="train.lr", type=float, help="peak learning rate")
-        self.flag(group, "--weight_decay", path="train.weight_decay", type=float, help="AdamW weight decay")
-        self.flag(group, "--warmup", path="train.warmup", type=int,
-                  help="linear warmup steps before the cosine decay")  # fmt: skip
+    def optimizer_flags(
+        self, group: argparse._ArgumentGroup, warmup: str = "linear warmup steps before the cosine decay"
+    ) -> None:
+        """--lr, --weight_decay and --warmup (help text `warmup`), bound to train.lr, train.weight_decay and
+        train.warmup: the AdamW + WarmupCosine recipe's three numbers, spelt the same in every system."""
+        self.flag(group, "--lr", path="train.lr", help="peak learning rate")
+        self.flag(group, "--weight_decay", path="train.weight_decay", help="AdamW weight decay")
+        self.flag(group, "--warmup", path="train.warmup", help=warmup)
 
     def _loop_flags(self) -> None:
         g = self.group("training loop (memfit)")
         f = self.flag
-        f(
-            g,
-            "--steps",
-            path="loop.steps",
-            type=int,
-            help="optimizer steps (none with --max_minutes: until it)",
-        )
+        f(g, "--steps", path="loop.steps", help="optimizer steps (none with --max_minutes: until it)")
         f(
             g,
             "--max_minutes",
             path="loop.max_minutes",
-            type=float,
             help="the run's total time budget: stop cleanly when spent (checkpoint saved); on --resume, the "
             "minutes already trained count against it; alone, it trains until the budget",
         )
-        f(g, "--grad_accum", path="loop.grad_accum", type=int, help="micro-batches per optimizer step")
+        f(g, "--grad_accum", path="loop.grad_accum", help="micro-batches per optimizer step")
         f(g, "--amp", path="loop.amp", choices=["bf16", "fp16", "none"], help="autocast dtype")
-        f(g, "--grad_clip", path="loop.grad_clip", type=float, help="max gradient norm (0 = off)")
-        f(g, "--compile", path="loop.compile", action=argparse.BooleanOptionalAction, help="torch.compile")
-        f(g, "--log_every", path="loop.log_every", type=int, help="steps between metrics rows")
-        f(
-            g,
-            "--save_every",
-            path="loop.save_every",
-            type=int,
-            help="steps between checkpoints (0 = at the end)",
-        )
-        f(g, "--keep_last", path="loop.keep_last", type=int, help="checkpoints to keep")
-        f(g, "--seed", path="loop.seed", type=int, help="random seed (weights, batches)")
+        f(g, "--grad_clip", path="loop.grad_clip", help="max gradient norm (0 = off)")
+        f(g, "--compile", path="loop.compile", help="torch.compile")
+        f(g, "--log_every", path="loop.log_every", help="steps between metrics rows")
+        f(g, "--save_every", path="loop.save_every", help="steps between checkpoints (0 = at the end)")
+        f(g, "--keep_last", path="loop.keep_last", help="checkpoints to keep")
+        f(g, "--seed", path="loop.seed", help="random seed (weights, batches)")
         f(g, "--run_name", path="loop.run_name", help="run folder name, under runs_dir/<system>/")
         f(g, "--runs_dir", path="loop.runs_dir", help="where run folders live")
         f(g, "--device", path="loop.device", help="auto | cpu | cuda | cuda:N")
@@ -419,31 +427,21 @@ class TrainParser:
             g,
             "--threads",
             path="loop.threads",
-            type=int,
             help="CPU threads of every pool (torch, BLAS); at most the CPU count (none: torch's choice)",
         )
         f(
             g,
             "--ema",
             path="loop.ema",
-            type=float,
             help="decay of a moving average of the weights that validation, best.pt and eval use (0 = off)",
         )
         f(
             g,
             "--tensorboard",
             path="loop.tensorboard",
-            action=argparse.BooleanOptionalAction,
             help="TensorBoard events beside metrics.jsonl (needs the `tensorboard` extra)",
         )
-        f(
-            g,
-            "--progress",
-            path="loop.progress",
-            action=argparse.BooleanOptionalAction,
-            help="progress bar",
-            hidden=(),
-        )
+        f(g, "--progress", path="loop.progress", help="progress bar")
         g.add_argument("--no_progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
                        help=argparse.SUPPRESS)  # fmt: skip
         f(
@@ -456,15 +454,27 @@ class TrainParser:
             "that will not fit the device is refused, naming the batch that fits)",
         )
 
-    def _defaults_text(self, path: str) -> str:
-        """'default 0.003' or 'default: cpu 0.003, default 0.0005': the value in every preset."""
+    def _preset_trees(self) -> dict[str, Settings]:
+        """Every preset's tree on this machine's device (built once: --help's defaults, flag types)."""
         if self._help_presets is None:
             from memfit.distributed import resolve_device
 
             device = resolve_device("auto")
             self._help_presets = {name: fn(device) for name, fn in self.presets.items()}
+        return self._help_presets
+
+    def _field_hint(self, path: str) -> Any:
+        """The annotation of the field at a dotted settings path ('train.lr' -> float)."""
+        *parents, name = path.split(".")
+        owner = next(iter(self._preset_trees().values()))
+        for part in parents:
+            owner = getattr(owner, part)
+        return typing.get_type_hints(type(owner))[name]
+
+    def _defaults_text(self, path: str) -> str:
+        """'default 0.003' or 'default: cpu 0.003, default 0.0005': the value in every preset."""
         values: dict[str, list[str]] = {}
-        for name, s in self._help_presets.items():
+        for name, s in self._preset_trees().items():
             values.setdefault(_fmt(get_path(s, path)), []).append(name)
         common = max(values, key=lambda v: len(values[v]))
         others = "".join(f"; --config {', '.join(names)}: {v}" for v, names in values.items() if v != common)

@@ -8,7 +8,6 @@ from one uint8 tensor by a generator seeded per (seed, step, micro), so ``--resu
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import time
@@ -34,41 +33,29 @@ SYSTEM_NAME = "ginr-cifar"
 def build_parser() -> TrainParser:
     p = TrainParser(SYSTEM_NAME, __doc__, SETTINGS, auto=("balanced", "cpu"))
     m = p.group("model")
-    p.flag(
-        m,
-        "--checkpointing",
-        path="model.checkpoint",
-        action=argparse.BooleanOptionalAction,
-        help="per-block activation checkpointing",
-    )
+    p.flag(m, "--checkpointing", path="model.checkpoint", help="per-block activation checkpointing")
     p.flag(m, "--decoder", path="model.decoder", choices=["attn", "ff", "xattn"], help="decoder variant")
-    p.flag(m, "--decoder_width", path="model.decoder_width", type=int, help="decoder width")
-    p.flag(m, "--decoder_depth", path="model.decoder_depth", type=int, help="decoder scales")
+    p.flag(m, "--decoder_width", path="model.decoder_width", help="decoder width")
+    p.flag(m, "--decoder_depth", path="model.decoder_depth", help="decoder scales")
     d = p.group("data and optimizer")
     p.flag(
         d, "--data", path="train.data", help="CIFAR-10 batches folder or ImageFolder tree (none: embedded)"
     )
-    p.flag(d, "--max_images", path="train.max_images", type=int, help="use only the first N training images")
+    p.flag(d, "--max_images", path="train.max_images", help="use only the first N training images")
     p.flag(
         d,
         "--holdout",
         path="train.holdout",
-        type=int,
         help="training images held out, unseen by training and validation (eval's default split)",
     )
-    p.flag(d, "--batch_size", path="train.batch_size", type=int, help="images per step")
+    p.flag(d, "--batch_size", path="train.batch_size", help="images per step")
     p.flag(
-        d,
-        "--num_sample_coords",
-        path="train.num_sample_coords",
-        type=int,
-        help="pixels per image per step (of 1024)",
+        d, "--num_sample_coords", path="train.num_sample_coords", help="pixels per image per step (of 1024)"
     )
     p.flag(
         d,
         "--jitter",
         path="train.jitter",
-        type=float,
         help="move sampled coordinates up to this many pixels off their centres, bilinear targets",
     )
     p.optimizer_flags(d)
@@ -76,15 +63,10 @@ def build_parser() -> TrainParser:
         d,
         "--eval_every",
         path="train.eval_every",
-        type=int,
         help="validation PSNR every N steps, the best kept as best.pt (0: at the end)",
     )
     p.flag(
-        d,
-        "--eval_images",
-        path="train.eval_images",
-        type=int,
-        help="validation images, carved from the training part",
+        d, "--eval_images", path="train.eval_images", help="validation images, carved from the training part"
     )
     x = p.group("other")
     x.add_argument("--cache_dir", default=str(default_cache_dir()), help="decoded-image cache for folders")

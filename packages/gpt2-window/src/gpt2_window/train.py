@@ -56,13 +56,7 @@ def build_parser() -> TrainParser:
     p.flag(
         m, "--attention", path="model.attn_impl", choices=list(ATTN_IMPLS), help="attention implementation"
     )
-    p.flag(
-        m,
-        "--checkpointing",
-        path="model.checkpoint",
-        action=argparse.BooleanOptionalAction,
-        help="per-block activation checkpointing",
-    )
+    p.flag(m, "--checkpointing", path="model.checkpoint", help="per-block activation checkpointing")
     p.flag(
         m,
         "--window",
@@ -70,7 +64,7 @@ def build_parser() -> TrainParser:
         type=parse_window,
         help="sliding window: an int, 'none', or one per layer '64,none,...'",
     )
-    p.flag(m, "--dropout", path="model.dropout", type=float, help="dropout")
+    p.flag(m, "--dropout", path="model.dropout", help="dropout")
     d = p.group("data")
     p.flag(
         d, "--data", path="train.data", help="UTF-8 text file or uint16 token shards (none: embedded corpus)"
@@ -87,27 +81,17 @@ def build_parser() -> TrainParser:
         d,
         "--sequence_length",
         path="train.sequence_length",
-        type=int,
         help="tokens per row (none: the model's context)",
     )
-    p.flag(d, "--batch_size", path="train.batch_size", type=int, help="rows per micro-batch")
-    p.flag(
-        d,
-        "--num_iterations",
-        path="loop.steps",
-        type=int,
-        help="the seed's name for --steps",
-        show_default=False,
-    )
+    p.flag(d, "--batch_size", path="train.batch_size", help="rows per micro-batch")
+    p.flag(d, "--num_iterations", path="loop.steps", help="the seed's name for --steps", show_default=False)
     o = p.group("optimizer and evaluation")
     p.optimizer_flags(o)
-    p.flag(o, "--min_lr", path="train.min_lr", type=float, help="final learning rate (none: lr / 10)")
-    p.flag(o, "--beta1", path="train.beta1", type=float, help="AdamW beta1")
-    p.flag(o, "--beta2", path="train.beta2", type=float, help="AdamW beta2")
-    p.flag(
-        o, "--eval_every", path="train.eval_every", type=int, help="evaluate every N steps (0 = at the end)"
-    )
-    p.flag(o, "--eval_iters", path="train.eval_iters", type=int, help="batches per evaluation")
+    p.flag(o, "--min_lr", path="train.min_lr", help="final learning rate (none: lr / 10)")
+    p.flag(o, "--beta1", path="train.beta1", help="AdamW beta1")
+    p.flag(o, "--beta2", path="train.beta2", help="AdamW beta2")
+    p.flag(o, "--eval_every", path="train.eval_every", help="evaluate every N steps (0 = at the end)")
+    p.flag(o, "--eval_iters", path="train.eval_iters", help="batches per evaluation")
     return p
 
 

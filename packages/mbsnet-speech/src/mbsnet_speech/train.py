@@ -81,24 +81,21 @@ def parse_augment(spec: str) -> dict[str, float]:
 
 
 def build_parser() -> TrainParser:
-    Bool = argparse.BooleanOptionalAction
     p = TrainParser(SYSTEM_NAME, __doc__, SETTINGS, auto=("default", "cpu"))
     m = p.group("model")
     p.flag(
         m,
         "--checkpointing",
         path="model.checkpoint",
-        action=Bool,
         help="recompute each encoder layer in backward (a GPU memory saving; slower on a CPU)",
     )
-    p.flag(m, "--layers", path="model.num_layers", type=int, help="encoder layers")
-    p.flag(m, "--channels", path="model.channels", type=int, help="channel width")
-    p.flag(m, "--hop", path="model.hop", type=int, help="STFT hop in samples (16 kHz; window 400)")
+    p.flag(m, "--layers", path="model.num_layers", help="encoder layers")
+    p.flag(m, "--channels", path="model.channels", help="channel width")
+    p.flag(m, "--hop", path="model.hop", help="STFT hop in samples (16 kHz; window 400)")
     p.flag(
         m,
         "--bidirectional",
         path="model.temporal_bidirectional",
-        action=Bool,
         help="bidirectional temporal Mamba (offline; not streamable)",
     )
     d = p.group("data")
@@ -112,7 +109,6 @@ def build_parser() -> TrainParser:
         d,
         "--remix",
         path="train.remix",
-        action=Bool,
         help="with --data: every step mix one pair's clean speech with another pair's noise (noisy - "
         "clean) at a random SNR (--snr) and gain; --no-remix trains on the fixed pairs",
     )
@@ -131,14 +127,12 @@ def build_parser() -> TrainParser:
         d,
         "--data_share",
         path="train.data_share",
-        type=float,
         help="with --data and --clean: the share of mixes drawn from --data's pairs",
     )
     p.flag(
         d,
         "--builtin_noise",
         path="train.builtin_noise",
-        type=float,
         help="with --noise: the share of mixes with a built-in noise (white, pink, brown, babble, hum)",
     )
     p.flag(
@@ -152,45 +146,19 @@ def build_parser() -> TrainParser:
         help="augmentation probabilities of --clean mixes over the preset's: speed, eq, reverb, gain, "
         "clip, bandlimit (augment.py), e.g. reverb=0.3,eq=0.5",
     )
-    p.flag(
-        d,
-        "--val_voices",
-        path="train.val_voices",
-        type=parse_names,
-        metavar="A,B,...",
-        help="voices of --clean held out to choose best.pt (a voice is a sub-folder, or a file name "
+    held_out = {
+        "val_voices": "voices of --clean held out to choose best.pt (a voice is a sub-folder, or a file name "
         "without its _NNN; one word of it is enough); when none is present, 3 are chosen (at most a quarter)",
-    )
-    p.flag(
-        d,
-        "--val_noises",
-        path="train.val_noises",
-        type=parse_names,
-        metavar="A,B,...",
-        help="noise recordings of --noise held out for validation, named as voices are",
-    )
-    p.flag(
-        d,
-        "--test_voices",
-        path="train.test_voices",
-        type=parse_names,
-        metavar="A,B,...",
-        help="voices neither trained on nor validated on, kept for eval",
-    )
-    p.flag(
-        d,
-        "--test_noises",
-        path="train.test_noises",
-        type=parse_names,
-        metavar="A,B,...",
-        help="noise recordings neither trained on nor validated on, kept for eval",
-    )
-    p.flag(d, "--batch_size", path="train.batch_size", type=int, help="crops per step")
-    p.flag(d, "--seconds", path="train.seconds", type=float, help="crop length in seconds")
+        "val_noises": "noise recordings of --noise held out for validation, named as voices are",
+        "test_voices": "voices neither trained on nor validated on, kept for eval",
+        "test_noises": "noise recordings neither trained on nor validated on, kept for eval",
+    }
+    for name, text in held_out.items():
+        p.flag(d, f"--{name}", path=f"train.{name}", type=parse_names, metavar="A,B,...", help=text)
+    p.flag(d, "--batch_size", path="train.batch_size", help="crops per step")
+    p.flag(d, "--seconds", path="train.seconds", help="crop length in seconds")
     o = p.group("optimizer and validation")
-    p.flag(o, "--lr", path="train.lr", type=float, help="peak learning rate")
-    p.flag(o, "--weight_decay", path="train.weight_decay", type=float, help="AdamW weight decay")
-    p.flag(o, "--warmup", path="train.warmup", type=int, help="warmup steps (none: min(50, steps // 10))")
+    p.optimizer_flags(o, warmup="warmup steps (none: min(50, steps // 10))")
     p.flag(
         o,
         "--loss",
@@ -201,17 +169,9 @@ def build_parser() -> TrainParser:
         show_default=False,
         help="loss weights over the preset's, e.g. mag=0.9,stft=0.5 (losses.py)",
     )
-    p.flag(
-        o,
-        "--noisy_phase",
-        path="train.noisy_phase",
-        action=Bool,
-        help="keep the noisy phase (phase head frozen)",
-    )
-    p.flag(
-        o, "--eval_every", path="train.eval_every", type=int, help="validate every N steps (0: at the end)"
-    )
-    p.flag(o, "--val_files", path="train.val_files", type=int, help="held-out files validated")
+    p.flag(o, "--noisy_phase", path="train.noisy_phase", help="keep the noisy phase (phase head frozen)")
+    p.flag(o, "--eval_every", path="train.eval_every", help="validate every N steps (0: at the end)")
+    p.flag(o, "--val_files", path="train.val_files", help="held-out files validated")
     return p
 
 

@@ -13,7 +13,6 @@ that `eval` scores by default is never seen here.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import replace
 
 import torch
@@ -33,48 +32,42 @@ SYSTEM_NAME = "moremouse-triplane"
 
 
 def build_parser() -> TrainParser:
-    Bool = argparse.BooleanOptionalAction
     p = TrainParser(SYSTEM_NAME, __doc__, SETTINGS, auto=("tiny", "cpu"))
     m = p.group("model")
-    p.flag(m, "--checkpointing", path="model.checkpoint", action=Bool, help="activation checkpointing")
+    p.flag(m, "--checkpointing", path="model.checkpoint", help="activation checkpointing")
     p.flag(
         m, "--attention", path="model.attention", choices=["sdpa", "naive"], help="attention implementation"
     )
-    p.flag(m, "--rays_per_scene", path="model.rays_per_scene", type=int, help="target rays per scene")
-    p.flag(m, "--samples_per_ray", path="model.samples_per_ray", type=int, help="samples per ray")
+    p.flag(m, "--rays_per_scene", path="model.rays_per_scene", help="target rays per scene")
+    p.flag(m, "--samples_per_ray", path="model.samples_per_ray", help="samples per ray")
     p.flag(
         m,
         "--pixel_features",
         path="model.pixel_features",
-        action=Bool,
         help="the decoder also reads the input image where points project",
     )
     p.flag(
         m,
         "--view_features",
         path="model.view_features",
-        type=int,
         help="channels of a CNN feature map of the input image sampled with its rgb",
     )
     p.flag(
         m,
         "--carve",
         path="model.carve",
-        type=float,
         help="points the input view sees as background (within this of white) are empty",
     )
     p.flag(
         m,
         "--hull_probes",
         path="model.hull_probes",
-        type=int,
         help="with --carve, probe rays at N points and sample only inside the hull",
     )
     p.flag(
         m,
         "--global_context",
         path="model.global_context",
-        action=Bool,
         help="add the mean image token to every triplane token",
     )
     d = p.group("data, optimizer and validation")
@@ -85,26 +78,23 @@ def build_parser() -> TrainParser:
         d,
         "--num_scenes",
         path="train.num_scenes",
-        type=int,
         help="cycle over this many generated scenes (0: new every time)",
     )
-    p.flag(d, "--batch_size", path="train.batch_size", type=int, help="scenes per micro-batch")
+    p.flag(d, "--batch_size", path="train.batch_size", help="scenes per micro-batch")
     p.optimizer_flags(d)
     p.flag(
         d,
         "--schedule_steps",
         path="train.schedule_steps",
-        type=int,
         help="length of the LR schedule (none: the run's --steps)",
     )
     p.flag(
         d,
         "--val_scenes",
         path="train.val_scenes",
-        type=int,
         help="held-out scenes validated on (0: no validation, no best.pt)",
     )
-    p.flag(d, "--eval_every", path="train.eval_every", type=int, help="validate every N steps")
+    p.flag(d, "--eval_every", path="train.eval_every", help="validate every N steps")
     return p
 
 
