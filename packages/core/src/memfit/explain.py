@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -286,13 +286,9 @@ class Scaling:
     culprit: dict[str, Any] | None  # the op whose tensors grow fastest, when exponent > 1.3
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "knob": self.knob,
-            "sizes": self.sizes,
-            "activation_bytes": self.activations,
-            "exponent": self.exponent,
-            "culprit": self.culprit,
-        }
+        out = asdict(self)
+        out["activation_bytes"] = out.pop("activations")
+        return out
 
     def format(self) -> str:
         pts = ", ".join(f"{s}: {fmt_bytes(a)}" for s, a in zip(self.sizes, self.activations))
@@ -460,16 +456,11 @@ class BatchFit:
     probes: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "gpu_gib": self.gpu_gib,
-            "margin": self.margin,
-            "ranks": self.ranks,
-            "shard": self.shard,
-            "batch": self.batch,
-            "peak_gib_per_rank": self.peak_bytes / GIB,
-            "next_gib_per_rank": None if self.next_bytes is None else self.next_bytes / GIB,
-            "probes": self.probes,
-        }
+        out = asdict(self)
+        out["peak_gib_per_rank"] = out.pop("peak_bytes") / GIB
+        nxt = out.pop("next_bytes")
+        out["next_gib_per_rank"] = None if nxt is None else nxt / GIB
+        return out
 
     def format(self) -> str:
         usable = self.gpu_gib * (1 - self.margin)
