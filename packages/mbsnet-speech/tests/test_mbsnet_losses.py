@@ -82,3 +82,59 @@ def test_enhancement_loss_weights_and_terms():
     # a zero weight drops its term
     _, parts = enhancement_loss(model, (noisy, clean), LossWeights(stft=0.0, pha=0.0))
     assert set(parts) == {"mag", "com", "time"}
+
+
+def test_pesq_loss_ranks_degradations_as_pesq_does_and_skips_silent_references():
+    import numpy as np
+    from mbsnet_speech.data import synth_speech
+    from mbsnet_speech.losses import pesq_loss
+    from mbsnet_speech.metrics import pesq_score
+
+    g = torch.Generator().manual_seed(0)
+    clean = torch.as_tensor(synth_speech(16000, np.random.default_rng(1)), dtype=torch.float32).unsqueeze(0)
+    noise = torch.randn(1, 16000, generator=g)
+    noise = noise / noise.norm() * clean.norm()  # 0 dB
+    mixes = [clean + noise * 10 ** (-snr / 20) for snr in (0, 10, 20)]
+    losses = [float(pesq_loss(m, clean)) for m in mixes]
+    scores = [pesq_score(clean[0].numpy(), m[0].numpy()) for m in mixes]
+    assert losses == sorted(losses, reverse=True) and scores == sorted(scores)  # less noise, lower loss
+    assert float(pesq_loss(clean, clean)) < 0.2 * losses[-1]
+    # a silent clean crop weighs nothing: the batch's loss is its other item's, with finite gradients
+    deg = torch.cat([mixes[0], torch.randn(1, 16000) * 0.01]).requires_grad_()
+    both = pesq_loss(deg, torch.cat([clean, torch.zeros(1, 16000)]))
+    assert float(both.detach()) == pytest.approx(losses[0], rel=1e-4)
+    both.backward()
+    assert torch.isfinite(deg.grad).all() and float(deg.grad[1].abs().max()) == 0.0
+    # an output that is exactly zero over whole frames (a zero-padded crop) still has finite gradients
+    padded = mixes[0].clone()
+    padded[:, 12000:] = 0
+    padded.requires_grad_()
+    pesq_loss(padded, clean).backward()
+    assert torch.isfinite(padded.grad).all()
+
+
+def test_fir_pesq_matches_torch_pesq_and_is_cheap_to_estimate():
+    """The FIR filters give torch-pesq's own figures, and the term keeps the memory pre-flight quick."""
+    import time
+
+    import numpy as np
+    from mbsnet_speech.data import synth_speech
+    from mbsnet_speech.losses import _FirPesq
+    from memfit.memory import TrainStep, estimate_training_step
+    from torch_pesq import PesqLoss
+
+    g = torch.Generator().manual_seed(0)
+    clean = torch.as_tensor(np.stack([synth_speech(16000, np.random.default_rng(i)) for i in range(3)]))
+    deg = clean.float() + 0.05 * torch.randn(3, 16000, generator=g)
+    iir = PesqLoss(1.0, sample_rate=16000)(clean.float(), deg)
+    fir = _FirPesq(1.0, sample_rate=16000)(clean.float(), deg)
+    torch.testing.assert_close(fir, iir, rtol=1e-3, atol=0)
+    model_step = TrainStep(
+        build_model=lambda: MBSNet(tiny_config()),
+        make_batch=lambda d: (torch.zeros(2, 8000), torch.zeros(2, 8000)),
+        loss=lambda m, b: enhancement_loss(m, b, LossWeights(pesq=1.0))[0],
+        optimizer=lambda params: torch.optim.AdamW(params),
+    )
+    t0 = time.perf_counter()
+    assert estimate_training_step(model_step, device="cpu").peak_bytes > 0
+    assert time.perf_counter() - t0 < 20  # torch-pesq's IIR loop alone took minutes under FakeTensorMode

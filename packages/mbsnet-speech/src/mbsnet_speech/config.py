@@ -165,9 +165,10 @@ class LossWeights:
     time: float = 0.2
     stft: float = 0.0
     sisdr: float = 0.0  # weight of -SI-SDR in dB (so ~0.01 makes it comparable to the others)
+    pesq: float = 0.0  # weight of a differentiable PESQ distance (torch-pesq; ~4 for a noisy mix, 0 clean)
 
     def __post_init__(self) -> None:
-        check_fields(self, **{f: ">=0" for f in ("mag", "com", "pha", "time", "stft", "sisdr")})
+        check_fields(self, **{f: ">=0" for f in ("mag", "com", "pha", "time", "stft", "sisdr", "pesq")})
 
 
 def get_config(name: str, **overrides: Any) -> MBSNetConfig:
