@@ -1,6 +1,6 @@
 """Put a trained mbsnet-speech run into the package as the model `enhance` uses without --run.
 
-    uv run python tools/mbsnet_ship.py runs/mbsnet-speech/RUN --keep_noisy 0.05
+    uv run python tools/mbsnet_ship.py runs/mbsnet-speech/RUN [--keep_noisy SHARE]
 
 Exports the run's best.pt (`memfit export`: weights and config, no pickle) into
 packages/mbsnet-speech/src/mbsnet_speech/pretrained/, with the inference settings chosen on the run's own
