@@ -190,6 +190,9 @@ DDP_SCRIPT = textwrap.dedent(
     if t.ddp is not None:
         t.ddp.register_comm_hook(None, count)
     t.fit()
+    # fit leaves the group it joined, with the DDP wrapper dropped first (an exit with both alive
+    # can abort a rank)
+    assert t.ddp is None and not torch.distributed.is_initialized()
     if info.rank == 0:
         params = [p.detach() for p in t.raw_model.parameters()]
         torch.save({{"params": params, "reduces": reduces[0]}}, {out!r})

@@ -29,9 +29,29 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+_OWNED_GROUP = False  # True while a process group init_distributed started is up
+
+
 def _destroy_process_group() -> None:
-    if dist.is_initialized():
+    global _OWNED_GROUP
+    if _OWNED_GROUP and dist.is_initialized():
         dist.destroy_process_group()
+    _OWNED_GROUP = False
+
+
+def leave_distributed(finished: bool) -> None:
+    """Leave the process group init_distributed joined (a group the caller set up is left alone).
+
+    ``finished``: every rank got here by finishing its work, so they wait for one another first
+    and no rank tears its connections down while another still saves or logs. Called with nothing
+    left that references the group (drop the DDP wrapper first): gloo's worker threads must stop
+    while the interpreter is whole, or the exit can abort the process ("terminate called without an
+    active exception", seen under load)."""
+    if not (_OWNED_GROUP and dist.is_initialized()):
+        return
+    if finished:
+        dist.barrier()
+    _destroy_process_group()
 
 
 @dataclass
@@ -56,12 +76,14 @@ def dist_info() -> DistInfo:
 
 def init_distributed(device: torch.device) -> DistInfo:
     """Join the process group torchrun set up (gloo on CPU, NCCL on CUDA); a no-op for one process."""
+    global _OWNED_GROUP
     info = dist_info()
     if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
-        # torn down before the interpreter exits: a group left to die with the process can abort it
-        # ("terminate called without an active exception" from a gloo thread, seen under load)
+        _OWNED_GROUP = True
+        # the Trainer leaves the group when fit ends (leave_distributed); this covers a process
+        # that exits before it does
         atexit.register(_destroy_process_group)
         if device.type == "cuda":
             torch.cuda.set_device(device)

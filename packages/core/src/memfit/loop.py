@@ -17,6 +17,7 @@ and scaler are restored from the checkpoint.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import random
 import signal
@@ -47,7 +48,7 @@ from memfit.checkpoint import (
 )
 from memfit.config import config_dict, config_difference
 from memfit.cpu import keep_freed_memory, set_threads
-from memfit.distributed import init_distributed, resolve_device
+from memfit.distributed import init_distributed, leave_distributed, resolve_device
 from memfit.errors import UsageError, first_line, os_error_message, out_of_memory
 from memfit.memory import AMP_DTYPES, MIB, PeakMemory, training_state_tensors
 from memfit.metrics_log import MetricsLog
@@ -411,14 +412,28 @@ class Trainer:
         --max_minutes stops the same way with status 0 (last["stopped_early"]).
         """
         old_handlers = self._catch_signals()
+        finished = False
         try:
-            return self._fit()
+            last = self._fit()
+            finished = True
+            return last
         finally:
             for signum, handler in old_handlers.items():
                 signal.signal(signum, handler)
             self.metrics.close()
             if self.dist.is_main:
                 self.folder.release()
+            self._leave_ddp(finished)
+
+    def _leave_ddp(self, finished: bool) -> None:
+        """A Trainer fits once: after it, the model is the plain module again and the process group
+        is left (see leave_distributed), all ranks together when they all finished."""
+        if self.ddp is None:
+            return
+        self.ddp = None
+        self.model = self.raw_model
+        gc.collect()  # the wrapper's reducer holds the group; it must go before the group does
+        leave_distributed(finished)
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
