@@ -4,7 +4,7 @@ bloated one), the training recipe, and the settings presets `train --config NAME
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from memfit import config
@@ -166,9 +166,10 @@ class LossWeights:
     stft: float = 0.0
     sisdr: float = 0.0  # weight of -SI-SDR in dB (so ~0.01 makes it comparable to the others)
     pesq: float = 0.0  # weight of a differentiable PESQ distance (torch-pesq; ~4 for a noisy mix, 0 clean)
+    stoi: float = 0.0  # weight of -STOI (torch-stoi; -1 for the clean speech itself, 0 worst)
 
     def __post_init__(self) -> None:
-        check_fields(self, **{f: ">=0" for f in ("mag", "com", "pha", "time", "stft", "sisdr", "pesq")})
+        check_fields(self, **{f.name: ">=0" for f in fields(self)})
 
 
 def get_config(name: str, **overrides: Any) -> MBSNetConfig:

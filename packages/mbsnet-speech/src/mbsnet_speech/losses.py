@@ -12,6 +12,8 @@
 - ``pesq``: a differentiable PESQ (ITU-T P.862) distance from `torch-pesq` (its loss: 0.1 x symmetric +
   0.0309 x asymmetric disturbance, the two numbers the MOS is made of; no time alignment, which the
   model's aligned output does not need): the metric we report, as a training signal
+- ``stoi``: negative STOI (Taal et al. 2011) from `torch-stoi`, in [-1, 0]: the intelligibility metric we
+  report, as a training signal (it keeps a PESQ-trained model from trading intelligibility for quality)
 
 The weights live in ``LossWeights`` (config.py); a zero weight skips its term.
 """
@@ -19,6 +21,7 @@ The weights live in ``LossWeights`` (config.py); a zero weight skips its term.
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import scipy.fft
@@ -26,6 +29,7 @@ import scipy.signal
 import torch
 import torch.nn.functional as F
 from torch_pesq import PesqLoss
+from torch_stoi import NegSTOILoss
 
 from mbsnet_speech.config import SAMPLE_RATE, LossWeights
 from mbsnet_speech.metrics import si_sdr_db
@@ -131,6 +135,17 @@ def pesq_loss(wav_hat: torch.Tensor, wav: torch.Tensor) -> torch.Tensor:
     return (per_item * keep.squeeze(-1)).sum() / keep.sum().clamp_min(1)
 
 
+def stoi_loss(wav_hat: torch.Tensor, wav: torch.Tensor) -> torch.Tensor:
+    """torch-stoi's negative STOI, mean over the batch; (B, T) each, 16 kHz (resampled to STOI's 10 kHz
+    inside). Without its voice-activity step, which drops silent frames by a data-dependent selection that
+    FakeTensorMode cannot trace: silent frames count here (pystoi's metric leaves them out). Built per call,
+    so that its constants are fake tensors under FakeTensorMode."""
+    with warnings.catch_warnings():  # torch-stoi names torchaudio's resampling method by its old name
+        warnings.filterwarnings("ignore", message=".*sinc_interpolation", category=UserWarning)
+        loss = NegSTOILoss(SAMPLE_RATE, use_vad=False)
+    return loss.to(wav.device)(wav_hat.float(), wav.float()).mean()
+
+
 def enhancement_loss(model, batch: tuple[torch.Tensor, torch.Tensor], weights: LossWeights | None = None):
     """batch = (noisy, clean) (B, T) -> (weighted loss, {term: value}) for every term with a weight."""
     w = weights or LossWeights()
@@ -154,5 +169,7 @@ def enhancement_loss(model, batch: tuple[torch.Tensor, torch.Tensor], weights: L
         terms["sisdr"] = neg_si_sdr(out.wav, clean)
     if w.pesq:
         terms["pesq"] = pesq_loss(out.wav, clean)
+    if w.stoi:
+        terms["stoi"] = stoi_loss(out.wav, clean)
     loss = sum(getattr(w, k) * v for k, v in terms.items())
     return loss, {k: v.detach() for k, v in terms.items()}
