@@ -13,7 +13,7 @@ import argparse
 
 import numpy as np
 import torch
-from mbsnet_speech.data import read_wav
+from mbsnet_speech.data import mix, read_wav
 from mbsnet_speech.enhance import enhance_array, load_model, model_fn, shipped_model
 from mbsnet_speech.metrics import all_metrics
 
@@ -26,13 +26,12 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     clean = read_wav(a.clean)
+    noise = np.random.default_rng(0).standard_normal(len(clean)).astype(np.float32)
     for run in a.run or [shipped_model()]:
         fn = model_fn(load_model(run, "cpu"))
         print(run)
         for snr in (float(s) for s in a.snr.split(",")):
-            noise = np.random.default_rng(0).standard_normal(len(clean)).astype(np.float32)
-            noise *= np.sqrt(np.mean(clean**2) / np.mean(noise**2)) * 10 ** (-snr / 20)
-            noisy = clean + noise
+            noisy = mix(clean, noise, snr)
             x, y = all_metrics(clean, noisy), all_metrics(clean, enhance_array(fn, noisy))
             print(
                 f"  white {snr:>4g} dB: PESQ-wb {x['pesq_wb']:.3f} -> {y['pesq_wb']:.3f}  "

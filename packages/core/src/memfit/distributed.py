@@ -47,9 +47,7 @@ def leave_distributed(finished: bool) -> None:
     left that references the group (drop the DDP wrapper first): gloo's worker threads must stop
     while the interpreter is whole, or the exit can abort the process ("terminate called without an
     active exception", seen under load)."""
-    if not (_OWNED_GROUP and dist.is_initialized()):
-        return
-    if finished:
+    if finished and _OWNED_GROUP and dist.is_initialized():
         dist.barrier()
     _destroy_process_group()
 
