@@ -80,7 +80,9 @@ def test_validation_keeps_the_best_checkpoint_and_eval_uses_it(tmp_path, capsys)
     evals = [r for r in records if "eval/pesq" in r]
     assert [r["step"] for r in evals] == [1, 2, 3, 4]
     assert all(np.isfinite(r["eval/stoi"]) and np.isfinite(r["eval/si_sdr"]) for r in evals)
-    best = max(evals, key=lambda r: r["eval/pesq"])
+    # best.pt: the highest PESQ-wb among validations meeting the STOI and SI-SDR floors (choice_score)
+    assert all(r["eval/choice"] in (r["eval/pesq"], r["eval/pesq"] - 4) for r in evals)
+    best = max(evals, key=lambda r: r["eval/choice"])
     saved = torch.load(run / "best.pt", weights_only=True)
     assert saved["step"] == best["step"] == evals[-1]["best_step"]
     capsys.readouterr()
@@ -92,6 +94,18 @@ def test_validation_keeps_the_best_checkpoint_and_eval_uses_it(tmp_path, capsys)
     report = json.loads((tmp_path / "ev" / "metrics.json").read_text())
     assert report["checkpoint"] == str(run / "best.pt") and len(report["files"]) == 2
     assert np.isfinite(report["summary"]["classical/pesq_wb"])  # the Wiener baseline beside the model
+
+
+def test_best_checkpoint_rule_puts_the_stoi_and_si_sdr_floors_before_pesq():
+    noisy = {"pesq": 1.2, "stoi": 0.85, "si_sdr": 5.0}
+    meets = train.choice_score({"pesq": 1.9, "stoi": 0.86, "si_sdr": 5.0}, noisy)
+    low_stoi = train.choice_score({"pesq": 2.4, "stoi": 0.859, "si_sdr": 9.0}, noisy)
+    low_sisdr = train.choice_score({"pesq": 2.4, "stoi": 0.9, "si_sdr": 4.9}, noisy)
+    assert (
+        meets == 1.9
+        and max(low_stoi, low_sisdr) < meets
+        and low_stoi > train.choice_score({"pesq": 2.3, "stoi": 0.8, "si_sdr": 9.0}, noisy)
+    )
 
 
 def test_max_minutes_stops_and_saves(tmp_path):

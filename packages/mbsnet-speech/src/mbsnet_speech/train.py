@@ -335,16 +335,33 @@ def freeze_phase_head(model: MBSNet) -> None:
         q.requires_grad_(False)
 
 
+# best.pt's rule: the highest PESQ-wb among validations that also lift STOI by this much over the noisy
+# input and keep SI-SDR above it (a PESQ-trained model can buy PESQ with intelligibility or the waveform)
+STOI_FLOOR = 0.01
+
+
+def choice_score(scores: dict, noisy: dict) -> float:
+    """PESQ-wb where STOI gains >= STOI_FLOOR over the noisy input and SI-SDR is not below it, else
+    PESQ-wb - 4 (PESQ-wb spans 1..4.64): any validation meeting the floors outranks any that does not."""
+    ok = scores["stoi"] - noisy["stoi"] >= STOI_FLOOR and scores["si_sdr"] >= noisy["si_sdr"]
+    return float(scores["pesq"]) - (0.0 if ok else 4.0)
+
+
 def validation_hooks(items, every: int) -> dict:
     """Trainer keyword arguments that validate on `items` (PESQ-wb, STOI, SI-SDR) every `every` steps
-    (0: at the end) and keep the best checkpoint (best.pt) by PESQ."""
+    (0: at the end) and keep the best checkpoint (best.pt) by `choice_score`."""
     if not items:
         return {}
     from mbsnet_speech.eval import score_model
 
-    return dict(
-        eval_fn=lambda model: score_model(model, items), eval_every=every, best_metric="pesq", best_mode="max"
-    )
+    noisy = {}  # the unprocessed scores, computed at the first validation
+
+    def evaluate(model) -> dict:
+        noisy.update(noisy or score_model(None, items))
+        scores = score_model(model, items)
+        return {**scores, "choice": choice_score(scores, noisy)}
+
+    return dict(eval_fn=evaluate, eval_every=every, best_metric="choice", best_mode="max")
 
 
 def say_noisy_scores(items) -> None:
