@@ -116,3 +116,14 @@ def test_memfit_train_and_eval_spell_the_system_portably(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["train", "nope"])
     assert e.value.code == 2 and "unknown system 'nope'" in capsys.readouterr().err
+
+
+def test_model_card_says_whether_the_weights_are_the_runs_best():
+    from memfit.export import model_card
+
+    system = load_system("mbsnet-speech")
+    best = {"metric": "choice", "value": 2.1, "step": 3000}
+    own = model_card(system, {}, {"step": 3000, "best": best})
+    later = model_card(system, {}, {"step": 5764, "best": best})
+    assert "| validation | the run's best choice 2.1 (these weights) |" in own
+    assert "| validation | the run's best choice 2.1 (step 3000, not these weights) |" in later

@@ -83,7 +83,10 @@ def model_card(system: Any, config: dict[str, Any], meta: dict[str, Any]) -> str
     ]
     best = meta.get("best") or {}
     if best.get("metric") and best.get("value") is not None:
-        lines.append(f"| validation | best {best['metric']} {best['value']:.4g} at step {best['step']} |")
+        where = (
+            "these weights" if best["step"] == meta.get("step") else f"step {best['step']}, not these weights"
+        )
+        lines.append(f"| validation | the run's best {best['metric']} {best['value']:.4g} ({where}) |")
     for name, nums in (meta.get("evaluations") or {}).items():
         shown = ", ".join(f"{k} {v:.4g}" for k, v in list(nums.items())[:8])
         lines.append(f"| `eval/{name}` | {shown} |")
