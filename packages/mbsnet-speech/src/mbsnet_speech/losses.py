@@ -135,40 +135,14 @@ def pesq_loss(wav_hat: torch.Tensor, wav: torch.Tensor) -> torch.Tensor:
     return (per_item * keep.squeeze(-1)).sum() / keep.sum().clamp_min(1)
 
 
-class _NegSTOI(NegSTOILoss):
-    """torch-stoi's loss with its voice-activity step written so that FakeTensorMode traces it: the frames
-    within 40 dB of the loudest clean frame move to the front by a stable sort and the rest become zeros,
-    where torch-stoi picks them out with a boolean index per item (a data-dependent shape). Same frames,
-    same order, same result."""
-
-    @staticmethod
-    def remove_silent_frames(x, y, dyn_range, window, framelen, hop):
-        frames = [
-            F.unfold(s[:, None, None, :], kernel_size=(1, framelen), stride=(1, hop)) * window[:, None]
-            for s in (x, y)
-        ]
-        energy = 20 * torch.log10(torch.linalg.vector_norm(frames[0], dim=1) + 1e-8)  # (B, frames)
-        mask = energy > energy.amax(1, keepdim=True) - dyn_range
-        order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)  # speech frames first, in order
-        keep = mask.gather(1, order).to(x.dtype)[..., None]
-        out = []
-        for f in frames:
-            f = f.transpose(1, 2).gather(1, order[..., None].expand(-1, -1, framelen)) * keep
-            out.append(
-                F.fold(
-                    f.transpose(1, 2), (1, (f.shape[1] - 1) * hop + framelen), (1, framelen), stride=(1, hop)
-                ).flatten(1)
-            )
-        return out[0], out[1], mask.long()
-
-
 def stoi_loss(wav_hat: torch.Tensor, wav: torch.Tensor) -> torch.Tensor:
-    """Negative STOI, mean over the batch; (B, T) each, 16 kHz (resampled to STOI's 10 kHz inside), with
-    pystoi's voice-activity step (frames 40 dB below the loudest clean frame left out, as the metric we
-    report does). Built per call, so that its constants are fake tensors under FakeTensorMode."""
+    """torch-stoi's negative STOI, mean over the batch; (B, T) each, 16 kHz (resampled to STOI's 10 kHz
+    inside). Without its voice-activity step, which drops silent frames by a data-dependent selection that
+    FakeTensorMode cannot trace: silent frames count here (pystoi's metric leaves them out). Built per call,
+    so that its constants are fake tensors under FakeTensorMode."""
     with warnings.catch_warnings():  # torch-stoi names torchaudio's resampling method by its old name
         warnings.filterwarnings("ignore", message=".*sinc_interpolation", category=UserWarning)
-        loss = _NegSTOI(SAMPLE_RATE, use_vad=True)
+        loss = NegSTOILoss(SAMPLE_RATE, use_vad=False)
     return loss.to(wav.device)(wav_hat.float(), wav.float()).mean()
 
 
