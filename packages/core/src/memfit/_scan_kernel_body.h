@@ -17,6 +17,7 @@
 #define VSOFTPLUS FN(vsoftplus)
 #define VSOFTPLUS_SIG FN(vsoftplus_sig)
 #define gather FN(gather)
+#define recur FN(recur)
 #define fwd_item FN(fwd_item)
 #define bwd_item FN(bwd_item)
 #define fwd_range FN(fwd_range)
@@ -71,6 +72,30 @@ INLINE void gather(const Args *a, i64 b, i64 d, i64 s, i64 k, REAL *raw, REAL *d
     }
 }
 
+/* k steps from s of the recurrence h = exp(dt A) h + dt u B, y = C.h + D u, from state h (left as the
+ * state after step s + k - 1). keep (a constant 0 or 1 where it is inlined, so the branch folds away): also
+ * keep each step's state in Hb row j + 1 and its decay in Ab row j, for the backward pass's recompute. */
+INLINE void recur(const Args *a, const REAL *A2, const REAL *Bp, const REAL *Cp, REAL Dd, i64 s, i64 k,
+                  const i64 N, const REAL *dt, const REAL *u, REAL *h, REAL *y, const int keep, REAL *Hb,
+                  REAL *Ab) {
+    for (i64 j = 0; j < k; j++) {
+        const REAL x = dt[j] * u[j];
+        const REAL *Bt = Bp + (s + j) * a->sB.t, *Ct = Cp + (s + j) * a->sC.t;
+        REAL acc = 0;
+#pragma omp simd reduction(+ : acc)
+        for (i64 n = 0; n < N; n++) {
+            const REAL e = EXP(dt[j] * A2[n]);
+            h[n] = e * h[n] + x * Bt[n];
+            acc += Ct[n] * h[n];
+            if (keep) {
+                Ab[j * N + n] = e;
+                Hb[(j + 1) * N + n] = h[n];
+            }
+        }
+        y[j] = acc + Dd * u[j];
+    }
+}
+
 INLINE void fwd_item(const Args *a, i64 item, const i64 N) {
     const i64 b = item / a->dim, d = item % a->dim, L = a->L, T = a->T;
     const i64 nch = (L + T - 1) / T;
@@ -87,17 +112,7 @@ INLINE void fwd_item(const Args *a, i64 item, const i64 N) {
             for (i64 n = 0; n < N; n++) st[n] = h[n];
         }
         gather(a, b, d, s, k, raw, dt, u);
-        for (i64 j = 0; j < k; j++) {
-            const REAL x = dt[j] * u[j];
-            const REAL *Bt = Bp + (s + j) * a->sB.t, *Ct = Cp + (s + j) * a->sC.t;
-            REAL acc = 0;
-#pragma omp simd reduction(+ : acc)
-            for (i64 n = 0; n < N; n++) {
-                h[n] = EXP(dt[j] * A2[n]) * h[n] + x * Bt[n];
-                acc += Ct[n] * h[n];
-            }
-            y[j] = acc + Dd * u[j];
-        }
+        recur(a, A2, Bp, Cp, Dd, s, k, N, dt, u, h, y, 0, NULL, NULL);
         if (a->z) {
             for (i64 j = 0; j < k; j++) zc[j] = a->z[at(a->sz, b, d, s + j)];
             #pragma omp simd
@@ -121,7 +136,7 @@ INLINE void bwd_item(const Args *a, i64 item, const i64 N) {
     REAL *raw = a->work, *dt = raw + T, *u = dt + T, *yp = u + T, *zc = yp + T, *dy = zc + T;
     REAL *du = dy + T, *dd = du + T, *dz = dd + T, *go = dz + T;
     REAL *Hb = go + T, *Ab = Hb + (T + 1) * N;
-    REAL g[NMAX], dAl[NMAX], hv[NMAX], av[NMAX], dDl = 0, dbl = 0;
+    REAL g[NMAX], dAl[NMAX], hv[NMAX], dDl = 0, dbl = 0;
     for (i64 n = 0; n < N; n++) {
         g[n] = a->dlast ? a->dlast[(b * a->dim + d) * N + n] : 0;
         dAl[n] = 0;
@@ -137,20 +152,7 @@ INLINE void bwd_item(const Args *a, i64 item, const i64 N) {
         else
             memcpy(hv, a->starts + ((b * (nch - 1) + c - 1) * a->dim + d) * N, N * sizeof(REAL));
         memcpy(Hb, hv, N * sizeof(REAL));
-        for (i64 j = 0; j < k; j++) {
-            const REAL x = dt[j] * u[j];
-            const REAL *Bt = Bp + (s + j) * a->sB.t, *Ct = Cp + (s + j) * a->sC.t;
-            REAL acc = 0;
-#pragma omp simd reduction(+ : acc)
-            for (i64 n = 0; n < N; n++) {
-                av[n] = EXP(dt[j] * A2[n]);
-                hv[n] = av[n] * hv[n] + x * Bt[n];
-                acc += Ct[n] * hv[n];
-            }
-            memcpy(Hb + (j + 1) * N, hv, N * sizeof(REAL));
-            memcpy(Ab + j * N, av, N * sizeof(REAL));
-            yp[j] = acc + Dd * u[j];
-        }
+        recur(a, A2, Bp, Cp, Dd, s, k, N, dt, u, hv, yp, 1, Hb, Ab);
         /* the gate: dy = d loss / d (C.h + D u), dz */
         if (a->z) {
             for (i64 j = 0; j < k; j++) zc[j] = a->z[at(a->sz, b, d, s + j)];
@@ -666,6 +668,7 @@ int FN(conv_bwd)(const ConvArgs *s) {
 #undef VSOFTPLUS
 #undef VSOFTPLUS_SIG
 #undef gather
+#undef recur
 #undef fwd_item
 #undef bwd_item
 #undef fwd_range
