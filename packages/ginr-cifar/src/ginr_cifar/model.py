@@ -33,25 +33,28 @@ from ginr_cifar.baselines import NaiveSelfAttention
 from ginr_cifar.config import GINRConfig
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    """True for tensors without data (memory estimation, torch.compile tracing): value checks are skipped."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t) or torch.compiler.is_compiling()
-
-
-def check_coords(coords: torch.Tensor) -> None:
-    """Validate query coordinates (B, N, 2) in [-1, 1]; a clear ValueError otherwise."""
-    if coords.dim() != 3 or coords.shape[-1] != 2:
-        raise ValueError(f"coords must have shape (batch, num_coords, 2), got {tuple(coords.shape)}")
-    if _is_fake(coords):
-        return
+@torch.library.custom_op("ginr_cifar::check_coord_range", mutates_args=())
+def check_coord_range(coords: torch.Tensor) -> None:
+    """A clear ValueError for coordinates outside [-1, 1] (or NaN). An op, so that its fake registration
+    below is where tensors without data (memory estimation) pass, and torch.compile keeps it whole."""
     lo, hi = coords.detach().aminmax()
     if not (lo >= -1 and hi <= 1):  # NaN fails both comparisons too
         raise ValueError(
             f"coords must lie in [-1, 1] (pixel centres are (i + 0.5) / size * 2 - 1); got values in "
             f"[{float(lo):.4g}, {float(hi):.4g}]. Rescale them, e.g. with ginr_cifar.data.pixel_coords()."
         )
+
+
+@check_coord_range.register_fake
+def _(coords: torch.Tensor) -> None:
+    return None  # no values to check
+
+
+def check_coords(coords: torch.Tensor) -> None:
+    """Validate query coordinates (B, N, 2) in [-1, 1]; a clear ValueError otherwise."""
+    if coords.dim() != 3 or coords.shape[-1] != 2:
+        raise ValueError(f"coords must have shape (batch, num_coords, 2), got {tuple(coords.shape)}")
+    check_coord_range(coords)
 
 
 class Residual(nn.Module):
@@ -177,7 +180,7 @@ class Decoder(nn.Module):
         self.fourier = nn.ModuleList(
             FourierFeatures(2, cfg.num_bands, cfg.max_freq / 2 ** (S - 1 - s)) for s in range(S)
         )
-        fdim = _fourier_dim(self.fourier[-1])
+        fdim = self.fourier[-1].out_dim
         W = cfg.decoder_width
         self.modulation = ModulationNetwork(fdim, cfg)
         self.bandwidth_lins = nn.ModuleList(Branch(fdim, cfg) for _ in range(S))
@@ -196,18 +199,6 @@ class Decoder(nn.Module):
             z = self.bandwidth_lins[s](gamma, latent) * self.modulation_lins[s](mod, latent)
             h = z if h is None else self.hv_lins[s - 1](h + z, latent)
         return self.hyponet(self.norm(h), gammas[-1])
-
-
-def _fourier_dim(ff: nn.Module) -> int:
-    """Output width of a FourierFeatures module (probe once on a real tensor)."""
-    for name in ("out_dim", "output_dim", "dim_out"):
-        if isinstance(getattr(ff, name, None), int):
-            return getattr(ff, name)
-    with torch.device("cpu"):
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-        with unset_fake_temporarily():
-            return ff(torch.zeros(1, 1, 2)).shape[-1]
 
 
 class Encoder(nn.Module):
