@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
         arrays, val_items, source = build_data(t, crop)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"error: {e}") from None
+    noisy = noisy_scores(val_items)
     torch.manual_seed(loop.seed)
     model = MBSNet(cfg)
     if t.noisy_phase:
@@ -317,9 +319,10 @@ def main(argv: list[str] | None = None) -> dict:
         overwrite=run.overwrite,
         memory_step=memory_step,
         batch_size=t.batch_size,
-        **validation_hooks(val_items, t.eval_every),
+        **validation_hooks(val_items, t.eval_every, noisy),
     )
-    say_noisy_scores(val_items)  # after the pre-flight and the run-folder checks: no work wasted on a refusal
+    # after the pre-flight and the run-folder checks: no work wasted on a refusal
+    say_noisy_scores(val_items, noisy)
     return trainer.fit()
 
 
@@ -347,29 +350,31 @@ def choice_score(scores: dict, noisy: dict) -> float:
     return float(scores["pesq"]) - (0.0 if ok else 4.0)
 
 
-def validation_hooks(items, every: int) -> dict:
+def noisy_scores(items) -> Callable[[], dict]:
+    """The validation files' scores unprocessed, computed once, when first asked for."""
+    from mbsnet_speech.eval import score_model
+
+    return functools.cache(lambda: score_model(None, items))
+
+
+def validation_hooks(items, every: int, noisy: Callable[[], dict]) -> dict:
     """Trainer keyword arguments that validate on `items` (PESQ-wb, STOI, SI-SDR) every `every` steps
-    (0: at the end) and keep the best checkpoint (best.pt) by `choice_score`."""
+    (0: at the end) and keep the best checkpoint (best.pt) by `choice_score` against `noisy()`."""
     if not items:
         return {}
     from mbsnet_speech.eval import score_model
 
-    noisy = {}  # the unprocessed scores, computed at the first validation
-
     def evaluate(model) -> dict:
-        noisy.update(noisy or score_model(None, items))
         scores = score_model(model, items)
-        return {**scores, "choice": choice_score(scores, noisy)}
+        return {**scores, "choice": choice_score(scores, noisy())}
 
     return dict(eval_fn=evaluate, eval_every=every, best_metric="choice", best_mode="max")
 
 
-def say_noisy_scores(items) -> None:
+def say_noisy_scores(items, noisy: Callable[[], dict]) -> None:
     """What the validation files score unprocessed: the line the run's validation is read against."""
-    from mbsnet_speech.eval import score_model
-
     if items and dist_info().rank == 0:
-        ref = score_model(None, items)
+        ref = noisy()
         print(
             f"mbsnet-train: validation on {len(items)} held-out files; the noisy input scores "
             f"PESQ-wb {ref['pesq']:.3f}, STOI {ref['stoi']:.3f}, SI-SDR {ref['si_sdr']:.2f} dB",
