@@ -220,21 +220,25 @@ def test_sdpa_blocks_runs_under_fake_tensors_and_forced():
                                attention_ref(q, k, v, window=6), atol=1e-5, rtol=0)  # fmt: skip
 
 
-def test_sdpa_blocks_masks_are_cached_for_real_tensors_only():
-    """The band masks are built once per (offsets, window, device) for real tensors, and fake tensors
-    (memory estimates) never put one of theirs in the cache: the same shapes run real afterwards."""
-    A._cached_window_mask.cache_clear()
+@pytest.mark.parametrize(
+    "q0, q1, k0, window", [(0, 7, 0, 3), (0, 40, -29, 30), (160, 190, 131, 30), (5, 9, 2, 100)]
+)
+def test_window_mask_is_the_band_it_names(q0, q1, k0, window):
+    """Query q0+i sees key k0+j exactly when k0+j <= q0+i < k0+j+window (checked element by element)."""
+    keys, queries = range(k0, q1), range(q0, q1)
+    want = torch.tensor([[key <= query < key + window for key in keys] for query in queries])
+    assert torch.equal(A._window_mask(q0, q1, k0, window, "cpu"), want)
+
+
+def test_sdpa_blocks_after_an_estimate_of_the_same_shapes():
+    """An estimate (fake tensors) of the same shapes first leaves nothing behind: the real run that
+    follows matches the reference (the first block, three interior ones, a ragged 160-190)."""
     with fake_mode():
-        q, k, v = (torch.randn(1, 2, 200, 8, requires_grad=True) for _ in range(3))
+        q, k, v = (torch.randn(1, 2, 190, 8, requires_grad=True) for _ in range(3))
         A.sdpa_blocks(q, k, v, 30, block=40).sum().backward()
-    assert A._cached_window_mask.cache_info().currsize == 0
-    q, k, v = _qkv(1, 2, 190, 8)  # blocks 0-40, three interior ones, a ragged 160-190
-    for _ in range(2):  # the second call reuses all of the first one's masks
-        got = _fwd_bwd(lambda q, k, v: A.sdpa_blocks(q, k, v, 30, block=40), q, k, v)
-    info = A._cached_window_mask.cache_info()
-    assert info.currsize == 3 and info.misses == 3  # the first block, interior blocks' shared mask, the last
+    q, k, v = _qkv(1, 2, 190, 8)
+    got = _fwd_bwd(lambda q, k, v: A.sdpa_blocks(q, k, v, 30, block=40), q, k, v)
     _assert_close(got, _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=30), q, k, v), atol=1e-5)
-    assert A._window_mask(0, 4, 0, 2, q) is A._window_mask(0, 4, 0, 2, q)
 
 
 def test_force_backend_context_and_keyword():
