@@ -99,6 +99,12 @@ def build_parser() -> TrainParser:
         path="model.temporal_bidirectional",
         help="bidirectional temporal Mamba (offline; not streamable)",
     )
+    p.flag(
+        m,
+        "--pcs",
+        path="model.pcs",
+        help="perceptual contrast stretching of the output at inference: validation, best.pt, eval, enhance",
+    )
     d = p.group("data")
     p.flag(
         d,
