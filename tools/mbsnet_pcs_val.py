@@ -2,13 +2,15 @@
 run's OWN validation files (never a test split).
 
     uv run python tools/mbsnet_pcs_val.py RUN [RUN_OR_CHECKPOINT ...] [--files N] [--keep 0,0.05]
+                                          [--shifts 1,2,4] [--pcs | --no-pcs]
 
 Each RUN is a run folder (its best.pt) or a checkpoint. The files are the ones `train` validated the first
 run on, rebuilt from the settings its checkpoint carries: held-out voices x held-out noise recordings for
 `--clean`, the pairs held out of `--data`, or the generated held-out pairs; `--files N` scores N of them
 instead of the run's `--val_files` (more files, less noise when comparing runs). One thread. Prints PESQ-wb,
 STOI and SI-SDR of the noisy input, then of each run with PCS off and on, and with PCS on and 5, 10, 20% of
-the noisy input kept; `--keep` lists the kept shares to score instead (PCS as the run has it).
+the noisy input kept; `--keep` lists the kept shares to score instead, `--shifts` the numbers of delayed
+passes averaged (every pair of the two lists; PCS as the run has it, or as `--pcs` / `--no-pcs` say).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", metavar="RUN")
     ap.add_argument("--files", type=int, help="validation files to score (none: the run's --val_files)")
     ap.add_argument("--keep", help="comma-separated shares of noisy input kept, e.g. 0,0.05")
+    ap.add_argument("--shifts", help="comma-separated numbers of delayed passes averaged, e.g. 1,2,4")
+    ap.add_argument("--pcs", action=argparse.BooleanOptionalAction, default=None, help="with --keep/--shifts")
     a = ap.parse_args()
     torch.set_num_threads(1)
     _, state = SYSTEM.load_model(a.runs[0], "cpu")
@@ -37,8 +41,11 @@ def main() -> None:
     if a.files:
         t = replace(t, val_files=a.files)
     items = build_data(t, int(t.seconds * SAMPLE_RATE))[1]
-    if a.keep:  # PCS as the run has it
-        settings = [{"keep_noisy": float(k)} for k in a.keep.split(",")]
+    if a.keep or a.shifts:  # PCS as the run has it unless --pcs / --no-pcs
+        pcs = {} if a.pcs is None else {"pcs": a.pcs}
+        keeps = [float(k) for k in (a.keep or "0").split(",")]
+        shifts = [int(n) for n in (a.shifts or "1").split(",")]
+        settings = [{**pcs, "keep_noisy": k, "shifts": n} for k in keeps for n in shifts]
     else:
         settings = [
             {"pcs": pcs, "keep_noisy": k}
@@ -51,6 +58,7 @@ def main() -> None:
             model, state = SYSTEM.load_model(run, "cpu", **kw)
             pcs = "on" if model.cfg.pcs else "off"
             name = f"{state['path']} (step {state['step']}) pcs {pcs}, keep {model.cfg.keep_noisy:g}"
+            name += f", shifts {model.cfg.shifts}" if model.cfg.shifts > 1 else ""
             show(name, score_model(model, items))
 
 

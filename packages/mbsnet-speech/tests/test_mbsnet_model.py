@@ -149,3 +149,27 @@ def test_keep_noisy_mixes_the_input_back_at_inference_only():
     torch.testing.assert_close(kept(x).wav.detach(), plain.train()(x).wav.detach())  # training: no mix
     with pytest.raises(ValueError, match="keep_noisy"):
         tiny_config(keep_noisy=1.5)
+
+
+def test_shifts_average_passes_over_delayed_inputs_at_inference_only():
+    """shifts=N: the mean of the plain pass and N-1 passes over the input delayed by k * hop / N samples
+    (zeros in front, the output moved back), each computed here on its own; training runs one pass."""
+    torch.manual_seed(0)
+    x = 0.1 * torch.randn(2, 4000)
+    plain = MBSNet(tiny_config()).eval()
+    hop = plain.cfg.hop
+    avg = MBSNet(tiny_config(shifts=4)).eval()
+    avg.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        want = plain(x).wav
+        for k in (1, 2, 3):
+            d = k * hop // 4
+            want = want + plain(torch.nn.functional.pad(x, (d, 3 * hop // 4 - d))).wav[:, d : d + 4000]
+        got = avg(x)
+    torch.testing.assert_close(got.wav, want / 4, atol=1e-6, rtol=1e-5)
+    assert got.wav.shape == x.shape and got.mag.shape == plain(x).mag.shape
+    avg.train()
+    torch.testing.assert_close(avg(x).wav.detach(), plain.train()(x).wav.detach())  # training: one pass
+    for bad in (0, hop + 1):
+        with pytest.raises(ValueError, match="shifts must be in 1..hop"):
+            tiny_config(shifts=bad)

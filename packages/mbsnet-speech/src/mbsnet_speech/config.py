@@ -43,8 +43,11 @@ class MBSNetConfig:
     checkpoint: bool = True  # recompute each encoder layer in backward (keeps only layer inputs)
     pcs: bool = False  # perceptual contrast stretching of the output magnitude (inference only)
     keep_noisy: float = 0.0  # share of the noisy input mixed back into the output (inference only)
+    # inference only: average the outputs of the input delayed by 0, hop/shifts, 2 hop/shifts, ... samples
+    # (the STFT frames land elsewhere each time: translation-invariant denoising); 1 = one pass
+    shifts: int = 1
     # how the model runs, not what it computes: `train --resume` may change these
-    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "scan", "pcs", "keep_noisy")
+    RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "scan", "pcs", "keep_noisy", "shifts")
 
     def __post_init__(self) -> None:
         if self.scan not in ("chunked", "materialise"):
@@ -59,6 +62,8 @@ class MBSNetConfig:
             raise ValueError(f"hop must be in 1..win ({self.win}), got {self.hop}")
         if not 0 <= self.keep_noisy <= 1:
             raise ValueError(f"keep_noisy is a share of the input; give 0..1, got {self.keep_noisy:g}")
+        if not 1 <= self.shifts <= self.hop:
+            raise ValueError(f"shifts must be in 1..hop ({self.hop}), got {self.shifts}")
 
     @property
     def n_bins(self) -> int:

@@ -32,24 +32,23 @@ def load_model(
     device: str | torch.device = "cpu",
     pcs: bool | None = None,
     keep_noisy: float | None = None,
+    shifts: int | None = None,
 ) -> MBSNet:
     """The model of a run (name or folder: best.pt, else its newest checkpoint), a checkpoint file or an
-    exported folder; pcs / keep_noisy None keep what its config says."""
+    exported folder; pcs / keep_noisy / shifts None keep what its config says."""
     from mbsnet_speech.system import SYSTEM
 
-    return SYSTEM.load_model(run, device, **inference_overrides(pcs, keep_noisy))[0]
+    return SYSTEM.load_model(run, device, **inference_overrides(pcs, keep_noisy, shifts))[0]
 
 
-def inference_overrides(pcs: bool | None, keep_noisy: float | None) -> dict:
-    """Config overrides of --pcs / --keep_noisy (None: the run's own)."""
-    out: dict = {} if pcs is None else {"pcs": pcs}
-    if keep_noisy is not None:
-        out["keep_noisy"] = keep_noisy
-    return out
+def inference_overrides(pcs: bool | None, keep_noisy: float | None, shifts: int | None = None) -> dict:
+    """Config overrides of --pcs / --keep_noisy / --shifts (None: the run's own)."""
+    given = {"pcs": pcs, "keep_noisy": keep_noisy, "shifts": shifts}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def add_pcs_arg(p: argparse.ArgumentParser) -> None:
-    """--pcs / --no-pcs and --keep_noisy for eval and enhance: None keeps what the run's config says."""
+    """--pcs / --no-pcs, --keep_noisy and --shifts for eval and enhance: None keeps the run's config."""
     p.add_argument(
         "--pcs",
         action=argparse.BooleanOptionalAction,
@@ -62,6 +61,14 @@ def add_pcs_arg(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SHARE",
         help="share of the noisy input mixed back into the output, 0..1 (default: the run's config)",
+    )
+    p.add_argument(
+        "--shifts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="average N passes over the input delayed by hop/N steps, N times the compute (default: the "
+        "run's config; the generalising recipe: 4)",
     )
 
 
@@ -231,7 +238,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         else:
             run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
             what = str(run)
-        model = load_model(run, resolve_device(args.device), args.pcs, args.keep_noisy)
+        model = load_model(run, resolve_device(args.device), args.pcs, args.keep_noisy, args.shifts)
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"error: {e}") from None
     print(f"model: {what}", file=sys.stderr)

@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     try:
         from mbsnet_speech.system import SYSTEM
 
-        overrides = inference_overrides(args.pcs, args.keep_noisy)
+        overrides = inference_overrides(args.pcs, args.keep_noisy, args.shifts)
         model, state = SYSTEM.load_model(run, resolve_device(args.device), **overrides)
         sets = eval_sets(args, (state.get("settings") or {}).get("train") or {})
     except (FileNotFoundError, ValueError) as e:

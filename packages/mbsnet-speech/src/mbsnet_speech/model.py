@@ -222,6 +222,28 @@ class MBSNet(nn.Module):
         ab = self.phase_head(hp).float()
         return mask, torch.atan2(ab[..., 1], ab[..., 0])
 
+    def enhance_once(self, wav: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One pass: noisy wav (B, T) -> enhanced wav (B, T), compressed magnitude, phase."""
+        mag, pha = self.stft(wav)
+        mask, dpha = self.spec_forward(mag, pha)
+        mag_hat, pha_hat = mask * mag, pha + dpha
+        if self.cfg.pcs and not self.training:
+            lin = mag_hat.pow(1.0 / self.cfg.compress)
+            lin = torch.expm1(self.gamma[:, None] * torch.log1p(lin))
+            mag_hat = lin.pow(self.cfg.compress)
+        return self.istft(mag_hat, pha_hat, wav.shape[1]), mag_hat, pha_hat
+
+    def shift_average(self, wav: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The mean of `out` (the pass at delay 0) and the passes with the input delayed by k * hop / shifts
+        samples (k = 1 .. shifts - 1), each output moved back: one batch of the delayed copies."""
+        B, T = wav.shape
+        delays = [k * self.cfg.hop // self.cfg.shifts for k in range(1, self.cfg.shifts)]
+        last = delays[-1]
+        batch = torch.cat([F.pad(wav, (d, last - d)) for d in delays])
+        passes = self.enhance_once(batch)[0].view(len(delays), B, T + last)
+        total = out + sum(passes[i, :, d : d + T] for i, d in enumerate(delays))
+        return total / self.cfg.shifts
+
     def forward(self, wav: torch.Tensor) -> Enhanced:
         """Noisy wav (B, T) -> Enhanced(wav (B, T), compressed magnitude, phase)."""
         if wav.dim() != 2:
@@ -230,14 +252,9 @@ class MBSNet(nn.Module):
             raise ValueError(
                 f"input has {wav.shape[1]} samples, shorter than one STFT window ({self.cfg.win})"
             )
-        mag, pha = self.stft(wav)
-        mask, dpha = self.spec_forward(mag, pha)
-        mag_hat, pha_hat = mask * mag, pha + dpha
-        if self.cfg.pcs and not self.training:
-            lin = mag_hat.pow(1.0 / self.cfg.compress)
-            lin = torch.expm1(self.gamma[:, None] * torch.log1p(lin))
-            mag_hat = lin.pow(self.cfg.compress)
-        out = self.istft(mag_hat, pha_hat, wav.shape[1])
+        out, mag_hat, pha_hat = self.enhance_once(wav)
+        if self.cfg.shifts > 1 and not self.training:
+            out = self.shift_average(wav, out)
         if self.cfg.keep_noisy and not self.training:  # a floor on suppression: fewer speech artefacts
             out = out + self.cfg.keep_noisy * (wav - out)
         return Enhanced(out, mag_hat, pha_hat)

@@ -105,6 +105,13 @@ def build_parser() -> TrainParser:
         path="model.pcs",
         help="perceptual contrast stretching of the output at inference: validation, best.pt, eval, enhance",
     )
+    p.flag(
+        m,
+        "--shifts",
+        path="model.shifts",
+        help="at inference (validation, best.pt, eval, enhance), average N passes over the input delayed by "
+        "hop/N steps: N times the compute",
+    )
     d = p.group("data")
     p.flag(
         d,
