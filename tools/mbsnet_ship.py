@@ -1,6 +1,6 @@
 """Put a trained mbsnet-speech run into the package as the model `enhance` uses without --run.
 
-    uv run python tools/mbsnet_ship.py runs/mbsnet-speech/RUN [--keep_noisy SHARE]
+    uv run python tools/mbsnet_ship.py runs/mbsnet-speech/RUN [--keep_noisy SHARE] [--no-pcs] [--shifts N]
 
 Exports the run's best.pt (`memfit export`: weights and config, no pickle) into
 packages/mbsnet-speech/src/mbsnet_speech/pretrained/, with the inference settings chosen on the run's own
@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("run")
     ap.add_argument("--keep_noisy", type=float, default=0.0, help="share of noisy input kept (validation's)")
     ap.add_argument("--pcs", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--shifts", type=int, default=None, help="delayed passes averaged (validation's)")
     a = ap.parse_args()
     out = export_run(SYSTEM, a.run, shipped_model(), overwrite=True)
     path = out / "config.json"
@@ -30,6 +31,8 @@ def main() -> None:
     doc["config"]["keep_noisy"] = a.keep_noisy
     if a.pcs is not None:
         doc["config"]["pcs"] = a.pcs
+    if a.shifts is not None:
+        doc["config"]["shifts"] = a.shifts
     path.write_text(json.dumps(doc, indent=2) + "\n")
     (out / "README.md").write_text(model_card(SYSTEM, doc["config"], doc["meta"]))
     SYSTEM.from_pretrained(out)  # it loads

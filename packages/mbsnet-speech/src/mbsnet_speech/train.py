@@ -357,10 +357,12 @@ STOI_FLOOR = 0.01
 
 
 def choice_score(scores: dict, noisy: dict) -> float:
-    """PESQ-wb where STOI gains >= STOI_FLOOR over the noisy input and SI-SDR is not below it, else
-    PESQ-wb - 4 (PESQ-wb spans 1..4.64): any validation meeting the floors outranks any that does not."""
-    ok = scores["stoi"] - noisy["stoi"] >= STOI_FLOOR and scores["si_sdr"] >= noisy["si_sdr"]
-    return float(scores["pesq"]) - (0.0 if ok else 4.0)
+    """PESQ-wb where STOI gains >= STOI_FLOOR over the noisy input and SI-SDR is not below it; else -1 less
+    how far the floors are missed (STOI in units of STOI_FLOOR, SI-SDR in dB). Any validation meeting the
+    floors outranks any that does not (PESQ-wb >= 1), and of those that miss, the nearest miss wins."""
+    miss = max(0.0, STOI_FLOOR - (scores["stoi"] - noisy["stoi"])) / STOI_FLOOR
+    miss += max(0.0, noisy["si_sdr"] - scores["si_sdr"])
+    return float(scores["pesq"]) if miss == 0 else -1.0 - float(miss)
 
 
 def noisy_scores(items) -> Callable[[], dict]:
