@@ -178,6 +178,19 @@ def test_pcs_follows_the_run_config_unless_a_flag_says_otherwise(trained, tmp_pa
     assert off["enhanced/si_sdr"] == saved["enhanced/si_sdr"] != on["enhanced/si_sdr"]
 
 
+def test_shifts_flag_overrides_the_run_and_a_bad_value_is_one_line(trained, tmp_path, capsys):
+    """eval --shifts N averages N delayed passes over what the run saved (1); a value its config refuses
+    is a UsageError (one line, exit 2) naming the setting, not the checkpoint."""
+    run_dir, _ = trained
+    common = ["--run", str(run_dir), "--pairs", "1", "--seconds", "1.0"]
+    one = eval.main([*common, "--out", str(tmp_path / "a")])
+    two = eval.main([*common, "--shifts", "2", "--out", str(tmp_path / "b")])
+    assert np.isfinite(two["enhanced/si_sdr"]) and two["enhanced/si_sdr"] != one["enhanced/si_sdr"]
+    for bad in ("0", "100000"):
+        with pytest.raises(UsageError, match=f"^error: shifts={bad} does not fit this model: shifts must be"):
+            eval.main([*common, "--shifts", bad, "--out", str(tmp_path / f"bad{bad}")])
+
+
 def test_eval_on_folder_records_a_bad_file_and_goes_on(trained, tmp_path, make_voicebank):
     run_dir, _ = trained
     root = make_voicebank(tmp_path / "vb")

@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, fields, is_dataclass, replace
 from typing import Any, TypeVar
 
+from memfit.errors import UsageError, first_line
+
 C = TypeVar("C")
 
 _RULES: dict[str, tuple[Callable[[float], bool], str]] = {
@@ -65,6 +67,18 @@ def from_dict(cls: type[C], d: Mapping[str, Any]) -> C:
     if unknown:
         raise ValueError(f"{cls.__name__} has no field {', '.join(map(repr, unknown))}")
     return cls(**d)
+
+
+def with_overrides(cfg: C, overrides: Mapping[str, Any]) -> C:
+    """`cfg` with the fields a command's flags replace at load time (e.g. shifts=4); a value the config
+    refuses is a UsageError naming the setting, not the checkpoint."""
+    if not overrides:
+        return cfg
+    try:
+        return replace(cfg, **overrides)
+    except (TypeError, ValueError) as e:
+        asked = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+        raise UsageError(f"error: {asked} does not fit this model: {first_line(e)}") from None
 
 
 def get_config(presets: Mapping[str, Any], name: str, **overrides: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from memfit.checkpoint import CHECKPOINT_FORMAT, write_text_atomic
-from memfit.config import from_dict
+from memfit.config import from_dict, with_overrides
 from memfit.errors import UsageError, first_line
 from memfit.outputs import check_outputs
 
@@ -130,8 +130,6 @@ def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Pa
 def load_export(system: Any, path: str | Path, device: str | torch.device = "cpu", **overrides: Any):
     """(model in eval mode, {"config", "meta", "path", "step", "format", "system"}) from an export folder,
     with safetensors and json alone; overrides replace config fields (e.g. pcs=True)."""
-    from dataclasses import replace
-
     from safetensors.torch import load_model
 
     path = Path(path)
@@ -147,7 +145,11 @@ def load_export(system: Any, path: str | Path, device: str | torch.device = "cpu
             f"one of format {CHECKPOINT_FORMAT}; pass a {system.name} export"
         )
     try:
-        cfg = replace(from_dict(system.config_cls, doc["config"]), **overrides)
+        cfg = from_dict(system.config_cls, doc["config"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise UsageError(f"error: {path}: its config does not build a model ({first_line(e)})") from None
+    cfg = with_overrides(cfg, overrides)
+    try:
         model = system.build_model(cfg)
         load_model(model, str(path / WEIGHTS), strict=True)
     except (TypeError, ValueError, RuntimeError, KeyError, OSError) as e:

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from memfit.checkpoint import WeightsMismatch, checkpoint_candidates, load_intact
-from memfit.config import from_dict
+from memfit.config import from_dict, with_overrides
 from memfit.errors import UsageError, console, first_line
 from memfit.export import CONFIG, WEIGHTS, is_export, load_export
 from memfit.memory import TrainStep
@@ -121,8 +121,8 @@ class System:
                     f"pass a {self.name} run (or use `{state.get('system')} eval`)"
                 )
             try:
-                cfg = replace(from_dict(self.config_cls, state["config"]), **overrides)
-                model = self.build_model(cfg)
+                cfg = from_dict(self.config_cls, state["config"])
+                model = self.build_model(with_overrides(cfg, overrides))
             except (TypeError, ValueError) as e:
                 why = first_line(e)
                 raise UsageError(f"error: {file}: its config does not build a model ({why})") from None
