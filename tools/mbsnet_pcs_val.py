@@ -40,6 +40,8 @@ def main() -> None:
     t = override(TrainConfig(), flatten(state["settings"]["train"], TrainConfig()))
     if a.files:
         t = replace(t, val_files=a.files)
+    if a.pcs is not None and not (a.keep or a.shifts):
+        raise SystemExit("error: --pcs / --no-pcs go with --keep or --shifts (alone, both are scored)")
     items = build_data(t, int(t.seconds * SAMPLE_RATE))[1]
     if a.keep or a.shifts:  # PCS as the run has it unless --pcs / --no-pcs
         pcs = {} if a.pcs is None else {"pcs": a.pcs}

@@ -231,8 +231,8 @@ def test_window_mask_is_the_band_it_names(q0, q1, k0, window):
 
 
 def test_sdpa_blocks_after_an_estimate_of_the_same_shapes():
-    """An estimate (fake tensors) of the same shapes first leaves nothing behind: the real run that
-    follows matches the reference (the first block, three interior ones, a ragged 160-190)."""
+    """sdpa_blocks matches the reference on a first block, three interior ones sharing a mask and a ragged
+    last one (160-190), also right after an estimate (fake tensors) of the same shapes."""
     with fake_mode():
         q, k, v = (torch.randn(1, 2, 190, 8, requires_grad=True) for _ in range(3))
         A.sdpa_blocks(q, k, v, 30, block=40).sum().backward()

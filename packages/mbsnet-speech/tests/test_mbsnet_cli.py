@@ -109,6 +109,7 @@ def test_best_checkpoint_rule_puts_the_stoi_and_si_sdr_floors_before_pesq():
     # (0.001 short = 0.1), SI-SDR in dB
     assert score(1.5, 0.9, 4.8) == pytest.approx(-1.2) and score(1.5, 0.859, 4.8) == pytest.approx(-1.3)
     assert score(1.5, 0.9, 4.8) > score(2.4, 0.9, 3.0) > score(2.4, 0.8, 9.0)
+    assert all(np.isnan(score(*bad)) for bad in ((2.0, np.nan, 9.0), (2.0, 0.9, np.nan), (np.nan, 0.9, 9.0)))
 
 
 def test_max_minutes_stops_and_saves(tmp_path):

@@ -122,9 +122,8 @@ def test_generalising_recipe_reaches_the_heldout_goal(tmp_path):
     )
     t_train = time.perf_counter() - t0
     run = str(tmp_path / "mbsnet-speech" / "gen")
-    # PCS off, 4 shifted passes, nothing of the noisy input kept: the recipe's inference settings, chosen on
-    # validation
-    # (docs/results.md)
+    # PCS off, 4 shifted passes, nothing of the noisy input kept: the recipe's inference settings, chosen
+    # on validation (docs/results.md)
     eval.main(["--run", run, "--out", str(tmp_path / "ev")])
     sets = json.loads((tmp_path / "ev" / "metrics.json").read_text())["sets"]
     eval.main(["--run", run, "--speech", str(DATA / "speech" / "speech.wav"), "--out", str(tmp_path / "sp")])

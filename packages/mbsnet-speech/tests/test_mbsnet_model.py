@@ -173,3 +173,20 @@ def test_shifts_average_passes_over_delayed_inputs_at_inference_only():
     for bad in (0, hop + 1):
         with pytest.raises(ValueError, match="shifts must be in 1..hop"):
             tiny_config(shifts=bad)
+
+
+@pytest.mark.parametrize("shifts", [2, 3, 7])  # 3 and 7: delays that do not divide the hop evenly
+def test_shifted_passes_of_an_identity_model_give_the_input_back(shifts, monkeypatch):
+    """A model whose mask is 1 and phase offset 0 reconstructs its input in every pass; the average of the
+    shifted passes equals the input only if each one is moved back by exactly its delay."""
+    model = MBSNet(tiny_config(shifts=shifts)).eval()
+
+    def identity(mag, pha):
+        return torch.ones_like(mag), torch.zeros_like(pha)
+
+    monkeypatch.setattr(model, "spec_forward", identity)
+    x = 0.1 * torch.randn(2, 3000)
+    with torch.no_grad():
+        y = model(x).wav
+    inner = slice(model.cfg.win, -model.cfg.win)  # away from the edges, where zeros were padded in
+    torch.testing.assert_close(y[:, inner], x[:, inner], atol=1e-4, rtol=0)

@@ -245,7 +245,8 @@ class MBSNet(nn.Module):
         return total / self.cfg.shifts
 
     def forward(self, wav: torch.Tensor) -> Enhanced:
-        """Noisy wav (B, T) -> Enhanced(wav (B, T), compressed magnitude, phase)."""
+        """Noisy wav (B, T) -> Enhanced(wav (B, T), compressed magnitude, phase). With shifts > 1 (eval mode)
+        the wav is the average of the shifted passes; magnitude and phase are the undelayed pass's."""
         if wav.dim() != 2:
             raise ValueError(f"MBSNet expects a batch of mono waveforms (B, T), got shape {tuple(wav.shape)}")
         if wav.shape[1] < self.cfg.win:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -352,14 +353,18 @@ def freeze_phase_head(model: MBSNet) -> None:
 
 
 # best.pt's rule: the highest PESQ-wb among validations that also lift STOI by this much over the noisy
-# input and keep SI-SDR above it (a PESQ-trained model can buy PESQ with intelligibility or the waveform)
+# input and keep SI-SDR at or above it (a PESQ-trained model can buy PESQ with intelligibility or with
+# the waveform)
 STOI_FLOOR = 0.01
 
 
 def choice_score(scores: dict, noisy: dict) -> float:
     """PESQ-wb where STOI gains >= STOI_FLOOR over the noisy input and SI-SDR is not below it; else -1 less
     how far the floors are missed (STOI in units of STOI_FLOOR, SI-SDR in dB). Any validation meeting the
-    floors outranks any that does not (PESQ-wb >= 1), and of those that miss, the nearest miss wins."""
+    floors outranks any that does not (PESQ-wb >= 1), and of those that miss, the nearest miss wins. A
+    score that is not a number gives NaN, which the Trainer never keeps."""
+    if not all(math.isfinite(scores[k]) for k in ("pesq", "stoi", "si_sdr")):
+        return math.nan
     miss = max(0.0, STOI_FLOOR - (scores["stoi"] - noisy["stoi"])) / STOI_FLOOR
     miss += max(0.0, noisy["si_sdr"] - scores["si_sdr"])
     return float(scores["pesq"]) if miss == 0 else -1.0 - float(miss)
