@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mbsnet_speech.enhance import shipped_model
+from mbsnet_speech.enhance import inference_overrides, shipped_model
 from mbsnet_speech.system import SYSTEM
 from memfit.export import export_run, model_card
 
@@ -25,8 +25,7 @@ def main() -> None:
     ap.add_argument("--pcs", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--shifts", type=int, default=None, help="delayed passes averaged (validation's)")
     a = ap.parse_args()
-    given = {"keep_noisy": a.keep_noisy, "pcs": a.pcs, "shifts": a.shifts}
-    settings = {k: v for k, v in given.items() if v is not None}
+    settings = inference_overrides(a.pcs, a.keep_noisy, a.shifts)
     # a setting the run's config refuses stops here (one line), before the shipped folder is touched
     SYSTEM.load_model(a.run, "cpu", **settings)
     out = export_run(SYSTEM, a.run, shipped_model(), overwrite=True)
