@@ -8,7 +8,7 @@ import torch
 from memfit.memory import TrainStep
 from memfit.system import BudgetEntry, Scaling, System
 
-from mbsnet_speech.config import MBSNetConfig, default_config, seed_config, tiny_config
+from mbsnet_speech.config import LossWeights, MBSNetConfig, default_config, seed_config, tiny_config
 from mbsnet_speech.model import MBSNet
 
 HOP = 100
@@ -21,10 +21,18 @@ def samples_for_frames(frames: int, hop: int = HOP) -> int:
 
 
 def train_step(
-    cfg: MBSNetConfig, batch: int, samples: int, amp: torch.dtype | None = torch.bfloat16
+    cfg: MBSNetConfig,
+    batch: int,
+    samples: int,
+    amp: torch.dtype | None = torch.bfloat16,
+    weights: LossWeights | None = None,
 ) -> TrainStep:
-    """A full training step (forward, MP-SENet losses, backward, AdamW) on random (noisy, clean) audio."""
+    """A full training step (forward, MP-SENet losses or `weights`', backward, AdamW) on random (noisy,
+    clean) audio."""
+    from mbsnet_speech.losses import enhancement_loss
     from mbsnet_speech.train import training_step_loss
+
+    loss = training_step_loss if weights is None else lambda model, b: enhancement_loss(model, b, weights)[0]
 
     def make_batch(device):
         return (
@@ -32,9 +40,7 @@ def train_step(
             0.1 * torch.randn(batch, samples, device=device),
         )
 
-    return TrainStep(
-        build_model=lambda: MBSNet(cfg), make_batch=make_batch, loss=training_step_loss, amp_dtype=amp
-    )
+    return TrainStep(build_model=lambda: MBSNet(cfg), make_batch=make_batch, loss=loss, amp_dtype=amp)
 
 
 def calibration_step(baseline: bool = False) -> TrainStep:
