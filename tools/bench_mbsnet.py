@@ -40,7 +40,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=None, help="default 6 (--recipe: the preset's 4)")
     p.add_argument("--seconds", type=float, default=None, help="crop length; default 2 (--recipe: 1)")
     p.add_argument("--amp", choices=["none", "bf16"], default=None,
-                   help=f"autocast dtype (default: the recipe's: {paper.loop.amp}, with --quick "
+                   help=f"autocast dtype (default: the recipe's: {paper.loop.amp}, with --quick or --recipe "
                         f"{recipe.loop.amp})")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="the tiny CPU-recipe model")
     p.add_argument("--recipe", action="store_true", help="the generalising recipe's model, loss and crops")
@@ -51,9 +51,14 @@ def main(argv=None) -> None:
                         "none either way)")  # fmt: skip
     p.add_argument("--profile", action="store_true", help="print the top ops of one more step")
     args = p.parse_args(argv)
-    recipe_step = args.recipe and not args.quick
-    args.batch = args.batch or (recipe.train.batch_size if recipe_step else 6)
-    args.seconds = args.seconds or (recipe.train.seconds if recipe_step else 2.0)
+    if args.quick and args.recipe:
+        print("bench_mbsnet: --quick and --recipe are two different models; give one")
+        raise SystemExit(2)
+    recipe_step = args.recipe
+    if args.batch is None:
+        args.batch = recipe.train.batch_size if recipe_step else 6
+    if args.seconds is None:
+        args.seconds = recipe.train.seconds if recipe_step else 2.0
     if (
         (args.threads is not None and args.threads < 1)
         or args.steps < 1

@@ -52,9 +52,9 @@ def test_stft_loss_by_hand():
 
 
 def test_stft_loss_gradient_matches_a_plain_reference():
-    """The same gradient as the formula written out with both signals under autograd; none reaches the
-    target, whose spectra are taken outside autograd. (The log-magnitude L1 has kinks, so a finite
-    difference is no reference here.)"""
+    """The same gradient for the estimate as the formula written out plainly (one STFT per signal, no
+    no-grad region); none reaches the target, whose spectra are taken outside autograd. (The
+    log-magnitude L1 has kinks, so a finite difference is no reference here.)"""
     g = torch.Generator().manual_seed(0)
     wav, noise = torch.randn(2, 4000, generator=g), torch.randn(2, 4000, generator=g)
     est = (wav + 0.3 * noise).requires_grad_(True)

@@ -270,7 +270,8 @@ def _cpu(device) -> Settings:
     # one thread: this model's ops are small, and on a 2-core machine with anything else running, two
     # threads made a step about 8x slower (each parallel region waits for the descheduled thread). No
     # weight average (--ema 0.995 beside the raw weights in the same runs: -0.006 to +0.043 PESQ-wb in four
-    # 10-CPU-minute runs, -0.012 and -0.018 in two 18-CPU-minute ones: no reliable gain).
+    # 10-CPU-minute runs, -0.012 and -0.018 in two 18-CPU-minute ones: no reliable gain). The generalising
+    # recipe adds --ema 0.999 (STOI +0.0035 on held-out voices over three seed pairs; docs/results.md).
     loop = LoopConfig(steps=300, amp="none", threads=1, log_every=10, save_every=200)
     return Settings(cpu_config(), train, loop)
 
