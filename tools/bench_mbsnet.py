@@ -54,11 +54,10 @@ def main(argv=None) -> None:
     if args.quick and args.recipe:
         print("bench_mbsnet: --quick and --recipe are two different models; give one")
         raise SystemExit(2)
-    recipe_step = args.recipe
     if args.batch is None:
-        args.batch = recipe.train.batch_size if recipe_step else 6
+        args.batch = recipe.train.batch_size if args.recipe else 6
     if args.seconds is None:
-        args.seconds = recipe.train.seconds if recipe_step else 2.0
+        args.seconds = recipe.train.seconds if args.recipe else 2.0
     if (
         (args.threads is not None and args.threads < 1)
         or args.steps < 1
@@ -71,13 +70,13 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     malloc = "reusing freed blocks" if keep_freed_memory() else "malloc defaults"
     weights = None
-    if recipe_step:  # the README's generalising command: --hop 200 --loss pesq=0.6,stoi=6
+    if args.recipe:  # the README's generalising command: --hop 200 --loss pesq=0.6,stoi=6
         cfg = dataclasses.replace(recipe.model, hop=200, pcs=False)
         weights = dataclasses.replace(recipe.train.loss, pesq=0.6, stoi=6.0)
     else:
         cfg = tiny_config() if args.quick else default_config()
     cfg = dataclasses.replace(cfg, checkpoint=args.checkpointing and cfg.checkpoint)
-    args.amp = args.amp or (recipe.loop.amp if args.quick or recipe_step else paper.loop.amp)
+    args.amp = args.amp or (recipe.loop.amp if args.quick or args.recipe else paper.loop.amp)
     amp = torch.bfloat16 if args.amp == "bf16" else None
     step = train_step(cfg, args.batch, int(args.seconds * cfg.sample_rate), amp=amp, weights=weights)
     torch.manual_seed(0)
@@ -100,7 +99,7 @@ def main(argv=None) -> None:
         faults.append(minor_page_faults() - f0)
         return t
 
-    name = "tiny" if args.quick else "generalising recipe's" if recipe_step else "default"
+    name = "tiny" if args.quick else "generalising recipe's" if args.recipe else "default"
     print(f"MBS-Net {name} config, {n_params / 1e6:.2f}M params, batch {args.batch}, "
           f"{args.seconds:g} s crops, {args.amp}, recompute {'on' if cfg.checkpoint else 'off'}, "
           f"{torch.get_num_threads()} thread(s), {malloc}")  # fmt: skip
@@ -109,7 +108,7 @@ def main(argv=None) -> None:
     warm = [one() for _ in range(2)]
     times = [one() for _ in range(args.steps)]
     shown = ", ".join(f"{t:.2f}" for t in times)
-    goal = "" if args.quick or recipe_step else " (goal <= 10 s on 2 cores)"
+    goal = "" if args.quick or args.recipe else " (goal <= 10 s on 2 cores)"
     print(f"  warm-up {', '.join(f'{t:.2f}' for t in warm)} s; steps {shown} s; "
           f"median {statistics.median(times):.3f} s/step{goal}; "
           f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB")  # fmt: skip
