@@ -127,3 +127,23 @@ def test_model_card_says_whether_the_weights_are_the_runs_best():
     later = model_card(system, {}, {"step": 5764, "best": best})
     assert "| validation | the run's best choice 2.1 (these weights) |" in own
     assert "| validation | the run's best choice 2.1 (step 3000, not these weights) |" in later
+
+
+def test_model_card_names_the_validation_figures_behind_a_compound_choice(tmp_path):
+    """A run chosen on a compound metric (mbsnet's "choice") gets the eval/* figures it logged at that
+    step on its card: the last row for the step wins, rows of other steps and broken lines are skipped."""
+    from memfit.export import _validation, model_card
+
+    rows = [
+        {"step": 600, "eval/pesq": 1.5, "eval/choice": -4.0},
+        {"step": 5124, "loss": -3.1},
+        {"step": 5124, "eval/pesq": 2.0, "eval/stoi": 0.88, "eval/choice": -1.0},
+        {"step": 5124, "eval/pesq": 2.1784, "eval/stoi": 0.8836, "eval/choice": -1.2375},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n{not json\n")
+    figures = _validation(tmp_path, 5124)
+    assert figures == {"pesq": 2.1784, "stoi": 0.8836, "choice": -1.2375}
+    assert _validation(tmp_path, 1) == {} and _validation(tmp_path / "none", 5124) == {}
+    best = {"metric": "choice", "value": -1.2375, "step": 5124}
+    card = model_card(load_system("mbsnet-speech"), {}, {"step": 5124, "best": best, "validation": figures})
+    assert "| validation | the run's best choice -1.238 (these weights), pesq 2.178, stoi 0.8836 |" in card

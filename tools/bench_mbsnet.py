@@ -11,8 +11,9 @@ A step is what ``mbsnet-train --config default`` runs on a CPU: the paper recipe
 layers in bf16, the fused conv and scan in fp32), no layer recompute (the recipe's CPU choice; the config
 recomputes on a GPU), MP-SENet losses, backward and AdamW, on random (noisy, clean) audio, with malloc
 reusing freed blocks as the trainer sets it (``memfit.cpu.keep_freed_memory``). ``--quick`` runs the tiny
-CPU-recipe model instead (seconds). ``--recipe`` runs the generalising recipe's step (README: the CPU
-preset's model and loss at hop 200 with the PESQ and STOI terms at 0.6 and 6, batch 4 x 1 s, fp32).
+CPU-recipe model instead (seconds). ``--recipe`` runs the generalising recipe's step (``--config
+general``: the CPU preset's model and loss at hop 200, the PESQ and STOI terms at 0.6 and 6, batch 4 x 1 s,
+fp32).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from memfit.cpu import keep_freed_memory, minor_page_faults
 def main(argv=None) -> None:
     cpu = torch.device("cpu")
     paper, recipe = SETTINGS["default"](cpu), SETTINGS["cpu"](cpu)  # what mbsnet-train runs on a CPU
+    general = SETTINGS["general"](cpu)  # the generalising recipe (--config general)
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice, all cores; on 2 cores 2 threads measured "
@@ -43,7 +45,7 @@ def main(argv=None) -> None:
                    help=f"autocast dtype (default: the recipe's: {paper.loop.amp}, with --quick or --recipe "
                         f"{recipe.loop.amp})")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="the tiny CPU-recipe model")
-    p.add_argument("--recipe", action="store_true", help="the generalising recipe's model, loss and crops")
+    p.add_argument("--recipe", action="store_true", help="--config general's model, loss and crops")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction,
                    default=paper.model.checkpoint,
                    help="recompute each encoder layer in backward (default: off, as mbsnet-train on a CPU; "
@@ -55,9 +57,9 @@ def main(argv=None) -> None:
         print("bench_mbsnet: --quick and --recipe are two different models; give one")
         raise SystemExit(2)
     if args.batch is None:
-        args.batch = recipe.train.batch_size if args.recipe else 6
+        args.batch = general.train.batch_size if args.recipe else 6
     if args.seconds is None:
-        args.seconds = recipe.train.seconds if args.recipe else 2.0
+        args.seconds = general.train.seconds if args.recipe else 2.0
     if (
         (args.threads is not None and args.threads < 1)
         or args.steps < 1
@@ -70,13 +72,13 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
     malloc = "reusing freed blocks" if keep_freed_memory() else "malloc defaults"
     weights = None
-    if args.recipe:  # the README's generalising command: --hop 200 --loss pesq=0.6,stoi=6
-        cfg = dataclasses.replace(recipe.model, hop=200, pcs=False)
-        weights = dataclasses.replace(recipe.train.loss, pesq=0.6, stoi=6.0)
+    if args.recipe:  # the README's generalising command (--config general)
+        cfg, weights = general.model, general.train.loss
     else:
         cfg = tiny_config() if args.quick else default_config()
     cfg = dataclasses.replace(cfg, checkpoint=args.checkpointing and cfg.checkpoint)
-    args.amp = args.amp or (recipe.loop.amp if args.quick or args.recipe else paper.loop.amp)
+    if args.amp is None:
+        args.amp = general.loop.amp if args.recipe else recipe.loop.amp if args.quick else paper.loop.amp
     amp = torch.bfloat16 if args.amp == "bf16" else None
     step = train_step(cfg, args.batch, int(args.seconds * cfg.sample_rate), amp=amp, weights=weights)
     torch.manual_seed(0)

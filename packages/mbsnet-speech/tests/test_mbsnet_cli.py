@@ -285,3 +285,19 @@ def test_hop_flag_sets_the_stft_hop_and_refuses_one_longer_than_the_window():
     assert hop("--config", "cpu", "--hop", "200") == 200
     with pytest.raises(UsageError, match="hop must be in 1..win"):
         train.build_parser().parse(["--device", "cpu", "--config", "cpu", "--hop", "500"])
+
+
+def test_general_preset_is_the_cpu_preset_with_the_generalising_recipe_flags():
+    """`--config general` is the command the README used to spell out: the cpu preset with --hop 200, the
+    PESQ and STOI terms at 0.6 and 6, --ema 0.999, --no-pcs and --shifts 4; everything else the same, and
+    a flag still overrides it."""
+
+    def settings(*flags):
+        return train.build_parser().parse(["--device", "cpu", *flags]).settings
+
+    spelled = ["--hop", "200", "--loss", "pesq=0.6,stoi=6", "--ema", "0.999", "--no-pcs", "--shifts", "4"]
+    general, cpu = settings("--config", "general"), settings("--config", "cpu")
+    assert general == settings("--config", "cpu", *spelled)
+    assert general != cpu and general.train.lr == cpu.train.lr and general.loop.threads == 1
+    assert settings("--config", "general", "--loss", "sisdr=0").train.loss.sisdr == 0
+    assert settings("--config", "general", "--loss", "sisdr=0").train.loss.pesq == 0.6

@@ -60,6 +60,25 @@ def _evaluations(run_dir: Path) -> dict[str, dict[str, float]]:
     return found
 
 
+def _validation(run_dir: Path, step: Any) -> dict[str, float]:
+    """The eval/* figures that the run logged at `step` (run_dir/metrics.jsonl; its last such row), so a
+    card can say what a compound choice metric stood for."""
+    found: dict[str, float] = {}
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and row.get("step") == step:
+            nums = {k[len("eval/") :]: v for k, v in _numbers(row).items() if k.startswith("eval/")}
+            found = nums or found
+    return found
+
+
 def model_card(system: Any, config: dict[str, Any], meta: dict[str, Any]) -> str:
     """A short README.md for an exported model: what it is, what it was trained on, what it scores."""
     train = (meta.get("settings") or {}).get("train") or {}
@@ -86,7 +105,10 @@ def model_card(system: Any, config: dict[str, Any], meta: dict[str, Any]) -> str
         where = (
             "these weights" if best["step"] == meta.get("step") else f"step {best['step']}, not these weights"
         )
-        lines.append(f"| validation | the run's best {best['metric']} {best['value']:.4g} ({where}) |")
+        figures = meta.get("validation") or {}
+        figures = {k: v for k, v in figures.items() if k != best["metric"]}
+        shown = "".join(f", {k} {v:.4g}" for k, v in list(figures.items())[:8])
+        lines.append(f"| validation | the run's best {best['metric']} {best['value']:.4g} ({where}){shown} |")
     for name, nums in (meta.get("evaluations") or {}).items():
         shown = ", ".join(f"{k} {v:.4g}" for k, v in list(nums.items())[:8])
         lines.append(f"| `eval/{name}` | {shown} |")
@@ -116,6 +138,7 @@ def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Pa
         "settings": state.get("settings"),
         "params": sum(p.numel() for p in model.parameters()),
         "evaluations": _evaluations(run_dir),
+        "validation": _validation(run_dir, (state.get("best") or {}).get("step")),
         "source": str(source),
         "exported": time.strftime("%Y-%m-%d %H:%M"),
     }

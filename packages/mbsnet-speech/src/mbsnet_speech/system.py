@@ -109,7 +109,8 @@ def budget_entries() -> list[BudgetEntry]:
 
 SYSTEM = System(
     name="mbsnet-speech",
-    summary="MBS-Net speech enhancement (band-split Mamba, explicit phase), ~2.6M params, scored by PESQ",
+    summary="MBS-Net speech enhancement (band-split Mamba, explicit phase; 2.6M params at paper size), "
+    "scored by PESQ",
     train="mbsnet_speech.train:main",
     eval="mbsnet_speech.eval:main",
     budgets=budget_entries,
