@@ -12,8 +12,8 @@ layers in bf16, the fused conv and scan in fp32), no layer recompute (the recipe
 recomputes on a GPU), MP-SENet losses, backward and AdamW, on random (noisy, clean) audio, with malloc
 reusing freed blocks as the trainer sets it (``memfit.cpu.keep_freed_memory``). ``--quick`` runs the tiny
 CPU-recipe model instead (seconds). ``--recipe`` runs the generalising recipe's step (``--config
-general``: the CPU preset's model and loss at hop 200, the PESQ and STOI terms at 0.6 and 6, batch 4 x 1 s,
-fp32).
+general``: the CPU preset's model and loss at hop 200, the PESQ, STOI and -SI-SDR terms at 0.6, 10 and
+0.01, batch 4 x 1 s, fp32).
 """
 
 from __future__ import annotations

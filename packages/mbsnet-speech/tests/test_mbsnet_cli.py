@@ -288,16 +288,17 @@ def test_hop_flag_sets_the_stft_hop_and_refuses_one_longer_than_the_window():
 
 
 def test_general_preset_is_the_cpu_preset_with_the_generalising_recipe_flags():
-    """`--config general` is the command the README used to spell out: the cpu preset with --hop 200, the
-    PESQ and STOI terms at 0.6 and 6, --ema 0.999, --no-pcs and --shifts 4; everything else the same, and
-    a flag still overrides it."""
+    """`--config general` is the cpu preset with --hop 200, the PESQ and STOI terms at 0.6 and 10 and -SI-SDR
+    at 0.01, --ema 0.999, --no-pcs and --shifts 4; everything else the same, and a flag still overrides
+    it."""
 
     def settings(*flags):
         return train.build_parser().parse(["--device", "cpu", *flags]).settings
 
-    spelled = ["--hop", "200", "--loss", "pesq=0.6,stoi=6", "--ema", "0.999", "--no-pcs", "--shifts", "4"]
+    spelled = ["--hop", "200", "--loss", "pesq=0.6,stoi=10,sisdr=0.01", "--ema", "0.999", "--no-pcs"]
+    spelled += ["--shifts", "4"]
     general, cpu = settings("--config", "general"), settings("--config", "cpu")
     assert general == settings("--config", "cpu", *spelled)
     assert general != cpu and general.train.lr == cpu.train.lr and general.loop.threads == 1
-    assert settings("--config", "general", "--loss", "sisdr=0").train.loss.sisdr == 0
-    assert settings("--config", "general", "--loss", "sisdr=0").train.loss.pesq == 0.6
+    assert settings("--config", "general", "--loss", "sisdr=0.02").train.loss.sisdr == 0.02
+    assert settings("--config", "general", "--loss", "sisdr=0.02").train.loss.stoi == 10

@@ -83,22 +83,14 @@ DATA = SPEECH_TTS.parent
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # only a missed goal is expected; a crash on the way fails the test
-    reason="goal not reached yet: this command's latest run (seed 0, weight average, 2026-11-26, "
-    "4,961 steps) gave STOI +0.014 but PESQ-wb +0.567 (Wiener +0.104) on unseen voices, +0.564 and "
-    "STOI +0.018 on the real recording, the test split +0.881; of five fresh runs two met every goal "
-    "(docs/results.md). Strict: if it passes, remove this mark.",
-)
 def test_generalising_recipe_reaches_the_heldout_goal(tmp_path):
     """The generalisation goal: the README's 20-minute command on several sources (speech-tts pairs,
-    speech-voices, noise-real; `--config general`: hop 200, PESQ and STOI loss terms at 0.6 and 6, a
-    weight average at 0.999; no contrast stretching and 4 shifted passes at inference), then eval on
-    voices and noise recordings that neither trained nor chose the model (the recipe's test groups: Czech
-    child krb, Finnish lj, Catalan ona; minetest, wordwarvi, extremetuxracer and heroes recordings) and on
-    real recorded speech mixed with those noises at 0-10 dB: PESQ-wb +0.6 and +0.2 over the Wiener filter,
-    STOI +0.01, on both; the corpus's own test split no worse than +0.75 less run-to-run spread."""
+    speech-voices, noise-real; `--config general`: hop 200, PESQ, STOI and -SI-SDR loss terms at 0.6, 10
+    and 0.01, a weight average at 0.999; no contrast stretching and 4 shifted passes at inference), then
+    eval on voices and noise recordings that neither trained nor chose the model (the recipe's test groups:
+    Czech child krb, Finnish lj, Catalan ona; minetest, wordwarvi, extremetuxracer and heroes recordings)
+    and on real recorded speech mixed with those noises at 0-10 dB: PESQ-wb +0.6 and +0.2 over the Wiener
+    filter, STOI +0.01, on both; the corpus's own test split no worse than +0.75 less run-to-run spread."""
     if not (DATA / "speech-voices" / "clean").is_dir() or not (DATA / "noise-real").is_dir():
         pytest.skip(f"speech-voices / noise-real not found in {DATA}")
     t0 = time.perf_counter()
