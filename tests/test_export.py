@@ -144,6 +144,8 @@ def test_model_card_names_the_validation_figures_behind_a_compound_choice(tmp_pa
     figures = _validation(tmp_path, 5124)
     assert figures == {"pesq": 2.1784, "stoi": 0.8836, "choice": -1.2375}
     assert _validation(tmp_path, 1) == {} and _validation(tmp_path / "none", 5124) == {}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"eval/pesq": 1.0}) + "\n")  # a row with no step
+    assert _validation(tmp_path, None) == {}
     best = {"metric": "choice", "value": -1.2375, "step": 5124}
     card = model_card(load_system("mbsnet-speech"), {}, {"step": 5124, "best": best, "validation": figures})
     assert "| validation | the run's best choice -1.238 (these weights), pesq 2.178, stoi 0.8836 |" in card

@@ -11,7 +11,7 @@ instead of the run's `--val_files` (more files, less noise when comparing runs).
 STOI and SI-SDR of the noisy input, then of each run with PCS off and on, and with PCS on and 5, 10, 20% of
 the noisy input kept; `--keep` lists the kept shares to score instead, `--shifts` the numbers of delayed
 passes averaged (every pair of the two lists; PCS as the run has it, or as `--pcs` / `--no-pcs` say).
-`--noisy_phase` also scores each setting with the model's phase correction dropped (the noisy phase kept):
+`--drop_phase` also scores each setting with the model's phase correction dropped (the noisy phase kept):
 how much of a run's scores its phase head makes.
 """
 
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--keep", help="comma-separated shares of noisy input kept, e.g. 0,0.05")
     ap.add_argument("--shifts", help="comma-separated numbers of delayed passes averaged, e.g. 1,2,4")
     ap.add_argument("--pcs", action=argparse.BooleanOptionalAction, default=None, help="with --keep/--shifts")
-    ap.add_argument("--noisy_phase", action="store_true", help="also score with the noisy phase kept")
+    ap.add_argument("--drop_phase", action="store_true", help="also score with the noisy phase kept")
     a = ap.parse_args()
     torch.set_num_threads(1)
     _, state = SYSTEM.load_model(a.runs[0], "cpu")
@@ -65,7 +65,7 @@ def main() -> None:
             name = f"{state['path']} (step {state['step']}) pcs {pcs}, keep {model.cfg.keep_noisy:g}"
             name += f", shifts {model.cfg.shifts}" if model.cfg.shifts > 1 else ""
             show(name, score_model(model, items))
-            if a.noisy_phase:
+            if a.drop_phase:
                 drop_phase_correction(model)
                 show(name + ", noisy phase", score_model(model, items))
 

@@ -64,6 +64,8 @@ def _validation(run_dir: Path, step: Any) -> dict[str, float]:
     """The eval/* figures that the run logged at `step` (run_dir/metrics.jsonl; its last such row), so a
     card can say what a compound choice metric stood for."""
     found: dict[str, float] = {}
+    if step is None:  # a run with no best step: nothing to name
+        return found
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except OSError:

@@ -255,9 +255,9 @@ def _cpu(device) -> Settings:
         # without, 1.788 / 0.858 at 0.1, 1.933 / 0.851 at 0.3; 1.0 (seed 0) 2.246 / 0.848 with SI-SDR down
         # to 3 dB; the generated quick start 1.658 -> 1.914 (1.886 with the faster FIR filters), STOI 0.858 ->
         # 0.870 (0.864); docs/results.md). The generalising recipe (`general` below) weighs the metric
-        # terms more (first pesq=0.6,stoi=6: validation 2.102 / 0.865; now also stoi 10, sisdr 0.01); as the
-        # preset that cost the generated quick start 4.4 dB of SI-SDR (8.84 -> 4.45; PESQ-wb 2.172, STOI
-        # 0.859)
+        # terms more (first pesq=0.6,stoi=6: validation 2.102 / 0.865; now STOI 10 and -SI-SDR 0.01 instead
+        # of 6 and 0.02); pesq=0.6,stoi=6 as this preset's loss cost the generated quick start 4.4 dB of
+        # SI-SDR (8.84 -> 4.45; PESQ-wb 2.172, STOI 0.859)
         loss=LossWeights(pha=0.0, sisdr=0.02, stft=0.1, pesq=0.1),
         # best.pt is chosen on 24 mixes every 600 steps: about the validation time of 12 every 300, with
         # twice the files behind each choice (on 48 validation mixes, four runs' 12-file choices scored
