@@ -25,7 +25,7 @@ from mbsnet_speech.config import TrainConfig
 from mbsnet_speech.data import SAMPLE_RATE
 from mbsnet_speech.eval import score_model
 from mbsnet_speech.system import SYSTEM
-from mbsnet_speech.train import build_data
+from mbsnet_speech.train import build_data, freeze_phase_head
 from memfit.settings import flatten, override
 
 
@@ -66,19 +66,8 @@ def main() -> None:
             name += f", shifts {model.cfg.shifts}" if model.cfg.shifts > 1 else ""
             show(name, score_model(model, items))
             if a.drop_phase:
-                drop_phase_correction(model)
+                freeze_phase_head(model)  # phase offset exactly 0: the noisy phase
                 show(name + ", noisy phase", score_model(model, items))
-
-
-def drop_phase_correction(model) -> None:
-    """Make `model` keep the noisy phase: its phase head's correction is zeroed (the mask is its own)."""
-    predict = model.spec_forward
-
-    def masked_only(mag, pha):
-        mask, dpha = predict(mag, pha)
-        return mask, torch.zeros_like(dpha)
-
-    model.spec_forward = masked_only
 
 
 def show(name: str, r: dict) -> None:

@@ -63,19 +63,17 @@ def _evaluations(run_dir: Path) -> dict[str, dict[str, float]]:
 def _validation(run_dir: Path, step: Any) -> dict[str, float]:
     """The eval/* figures that the run logged at `step` (run_dir/metrics.jsonl; its last such row), so a
     card can say what a compound choice metric stood for."""
+    from memfit.plot import read_metrics
+
     found: dict[str, float] = {}
     if step is None:  # a run with no best step: nothing to name
         return found
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
+        rows = read_metrics(run_dir)
+    except UsageError:  # no metrics.jsonl
         return found
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and row.get("step") == step:
+    for row in rows:
+        if row["step"] == step:
             nums = {k[len("eval/") :]: v for k, v in _numbers(row).items() if k.startswith("eval/")}
             found = nums or found
     return found
