@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def pytest_runtest_setup(item):
     # a wrapper runs before every other setup hook, skipif marks included: a `cuda` test fails here
     if "cuda" in item.keywords:
-        from memfit.doctor import cuda_state
+        from memfit.ops.doctor import cuda_state
 
         ok, why = cuda_state()
         if not ok:

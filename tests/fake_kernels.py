@@ -2,8 +2,8 @@
 causal_conv1d_fn and flash_attn_func), for tests that fake a GPU (packages/core/tests/test_probes.py)."""
 
 import torch.nn.functional as F
-from memfit import attention as A
-from memfit import ssm
+from memfit.ops import attention as A
+from memfit.ops import scan as ssm
 
 
 def fake_scan(u, delta, A_, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, last=False):

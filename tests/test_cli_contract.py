@@ -154,7 +154,7 @@ def test_resume_with_another_config_is_one_line(trained, runs, capsys):
 
 
 class FakeClock:
-    """memfit.loop.now: a minute passes per reading (the Trainer reads it once per step boundary), and
+    """memfit.train.loop.now: a minute passes per reading (the Trainer reads it once per step boundary), and
     SIGINT arrives at reading `interrupt_at` (0-based; None: never)."""
 
     def __init__(self, interrupt_at=None):
@@ -178,7 +178,7 @@ def test_budget_run_interrupted_and_resumed_follows_the_uninterrupted_lr_curve(s
     clock and the budget belong to the run, and the schedule reads them."""
     import json
 
-    import memfit.loop
+    import memfit.train.loop
 
     def lrs(run):
         rows = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
@@ -199,11 +199,11 @@ def test_budget_run_interrupted_and_resumed_follows_the_uninterrupted_lr_curve(s
         str(tmp_path),
     ]  # fmt: skip (a repeated --warmup: the last wins)
     train_cli = console(f"{ALIASES[system]}-train")
-    monkeypatch.setattr(memfit.loop, "now", FakeClock())
+    monkeypatch.setattr(memfit.train.loop, "now", FakeClock())
     assert train_cli([*argv, "--run_name", "whole"]) == 0
-    monkeypatch.setattr(memfit.loop, "now", FakeClock(interrupt_at=2))
+    monkeypatch.setattr(memfit.train.loop, "now", FakeClock(interrupt_at=2))
     assert train_cli([*argv, "--run_name", "cut"]) == 130
-    monkeypatch.setattr(memfit.loop, "now", FakeClock())
+    monkeypatch.setattr(memfit.train.loop, "now", FakeClock())
     assert train_cli(["--resume", "--run_name", "cut", "--runs_dir", str(tmp_path), "--no_progress"]) == 0
     whole, cut = lrs(tmp_path / system / "whole"), lrs(tmp_path / system / "cut")
     assert len(whole) == 5 and len(set(whole)) == 5

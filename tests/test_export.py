@@ -119,7 +119,7 @@ def test_memfit_train_and_eval_spell_the_system_portably(tmp_path, capsys):
 
 
 def test_model_card_says_whether_the_weights_are_the_runs_best():
-    from memfit.export import model_card
+    from memfit.train.export import model_card
 
     system = load_system("mbsnet-speech")
     best = {"metric": "choice", "value": 2.1, "step": 3000}
@@ -132,7 +132,7 @@ def test_model_card_says_whether_the_weights_are_the_runs_best():
 def test_model_card_names_the_validation_figures_behind_a_compound_choice(tmp_path):
     """A run chosen on a compound metric (mbsnet's "choice") gets the eval/* figures it logged at that
     step on its card: the last row for the step wins, rows of other steps and broken lines are skipped."""
-    from memfit.export import _validation, model_card
+    from memfit.train.export import _validation, model_card
 
     rows = [
         {"step": 600, "eval/pesq": 1.5, "eval/choice": -4.0},

@@ -24,7 +24,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
-from memfit.settings import TrainParser
+from memfit.train.settings import TrainParser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -118,7 +118,9 @@ def stop_after_parsing(monkeypatch):
 
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
     monkeypatch.setattr(TrainParser, "parse", train_parse_then_stop)
-    monkeypatch.setattr("memfit.cpu.set_threads", lambda n: n)  # --threads must not cap this test process
+    monkeypatch.setattr(
+        "memfit.train.cpu.set_threads", lambda n: n
+    )  # --threads must not cap this test process
     environ = dict(os.environ)
     yield
     os.environ.clear()

@@ -16,7 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
-import memfit.preflight
+import memfit.estimate.preflight
 import pytest
 import torch
 
@@ -154,8 +154,8 @@ def test_a_signal_repeated_within_a_second_still_saves(tmp_path):
     script.write_text(
         textwrap.dedent(f"""
         import time, torch
-        from memfit.loop import Trainer
-        from memfit.settings import LoopConfig
+        from memfit.train.loop import Trainer
+        from memfit.train.settings import LoopConfig
         model = torch.nn.Linear(2, 1)
         def loss(m, b):
             print("step", flush=True)
@@ -190,15 +190,15 @@ def test_preflight_refuses_an_oversize_batch_naming_one_that_fits(system, tmp_pa
         seen.setdefault("limit", seen["needed"] // 3)
         return seen["limit"], "a test's limit"
 
-    real = memfit.preflight._needs
+    real = memfit.estimate.preflight._needs
 
     def needs(make, b, ckpt, device):
         n = real(make, b, ckpt, device)
         seen.setdefault("needed", n)
         return n
 
-    monkeypatch.setattr(memfit.preflight, "available_bytes", available)
-    monkeypatch.setattr(memfit.preflight, "_needs", needs)
+    monkeypatch.setattr(memfit.estimate.preflight, "available_bytes", available)
+    monkeypatch.setattr(memfit.estimate.preflight, "_needs", needs)
     runs = tmp_path / "runs"
     assert train(system, runs, "--batch_size", str(batch)) == 2
     line = one_error_line(capsys)
@@ -233,8 +233,8 @@ def console_path(name: str) -> str:
 
 def test_real_out_of_memory_and_a_non_finite_loss_are_one_line_naming_the_intact_checkpoint(tmp_path):
     from memfit.errors import UsageError
-    from memfit.loop import Trainer
-    from memfit.settings import LoopConfig
+    from memfit.train.loop import Trainer
+    from memfit.train.settings import LoopConfig
 
     def run(fail_at, failure, name):
         model = torch.nn.Linear(2, 1)
@@ -266,7 +266,7 @@ def test_real_out_of_memory_and_a_non_finite_loss_are_one_line_naming_the_intact
 
 
 def test_threads_above_the_cpu_count_are_clamped_with_a_note(capsys):
-    from memfit.cpu import cpu_count, set_threads
+    from memfit.train.cpu import cpu_count, set_threads
 
     before = torch.get_num_threads()
     try:

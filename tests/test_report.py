@@ -38,8 +38,8 @@ def test_report_rejects_unknown_system(tmp_path):
 
 
 def _check_fit(system, gpu_gib, max_batch, variant):
-    from memfit.fit import fit_system
-    from memfit.memory import estimate_training_step
+    from memfit.estimate.fit import fit_system
+    from memfit.estimate.memory import estimate_training_step
     from memfit.system import load_system
 
     entry = next(e for e in load_system(system).budgets() if e.variant == variant)

@@ -6,12 +6,12 @@
     uv run python tools/bench_attention.py --grid         # the CPU dispatch rule vs causal SDPA over
                                                           # T 64..8192 and w 16..T/4 (minutes)
 
-Rows: ``window`` = ``memfit.attention.attention(q, k, v, window=w)`` (on CPU: the band path, which
+Rows: ``window`` = ``memfit.ops.attention.attention(q, k, v, window=w)`` (on CPU: the band path, which
 computes only each query block's key band and recomputes it in backward) and ``causal`` = dense causal
 ``scaled_dot_product_attention`` (``attention(q, k, v, causal=True)``; CPU flash kernel, O(T^2) time,
 O(T) memory). Peak = tensor memory allocated during forward + backward beyond the inputs (q, k, v and
 the incoming gradient are counted for both paths, as they would be inside a model, then subtracted),
-measured with ``memfit.memory.measure_peak``. Time = best of ``--repeat`` wall-clock runs, with the
+measured with ``memfit.estimate.memory.measure_peak``. Time = best of ``--repeat`` wall-clock runs, with the
 process's CPU seconds beside it (less distorted by other processes on a shared machine). Every ratio is
 taken within one run. Scaling: a least-squares fit of log(time) and log(peak) against log(T) for the
 window path at T = 2k, 4k, 8k, 16k (fixed w).
@@ -29,8 +29,8 @@ import math
 import time
 
 import torch
-from memfit.attention import attention, select_backend
-from memfit.memory import measure_peak
+from memfit.estimate.memory import measure_peak
+from memfit.ops.attention import attention, select_backend
 
 MIB = 2**20
 

@@ -35,7 +35,7 @@ NANOGPT_CPU = [
 
 def bench_memory() -> None:
     from gpt2_window.system import budget_entries
-    from memfit.memory import estimate_training_step, measure_training_step
+    from memfit.estimate.memory import estimate_training_step, measure_training_step
 
     rows = []
     for e in budget_entries():
@@ -123,7 +123,7 @@ def train_reference(data_path: Path, seed: int, iterations: int = 2000) -> float
     import torch
     from gpt2_window.data import load_data
     from gpt2_window.eval import estimate_loss
-    from memfit.loop import Progress, WarmupCosine, step_generator
+    from memfit.train.loop import Progress, WarmupCosine, step_generator
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from nanogpt_ref import RefGPT, make_optimizer

@@ -3,14 +3,15 @@
     uv run python tools/bench_mbsnet.py --threads 2          # median s per step, as mbsnet-train runs it
     uv run python tools/bench_mbsnet.py --checkpointing      # with layer recompute (the GPU setting)
     uv run python tools/bench_mbsnet.py --amp none           # fp32 (the scan and conv are fp32 either way)
-    MEMFIT_KEEP_FREED=0 uv run python tools/bench_mbsnet.py  # malloc's defaults (memfit.cpu)
+    MEMFIT_KEEP_FREED=0 uv run python tools/bench_mbsnet.py  # malloc's defaults (memfit.train.cpu)
     uv run python tools/bench_mbsnet.py --threads 1 --batch 2 --steps 1 --profile   # where the time goes
     uv run python tools/bench_mbsnet.py --recipe --threads 1 --steps 30   # the generalising recipe's step
 
 A step is what ``mbsnet-train --config default`` runs on a CPU: the paper recipe's bf16 autocast (Linear
 layers in bf16, the fused conv and scan in fp32), no layer recompute (the recipe's CPU choice; the config
 recomputes on a GPU), MP-SENet losses, backward and AdamW, on random (noisy, clean) audio, with malloc
-reusing freed blocks as the trainer sets it (``memfit.cpu.keep_freed_memory``). ``--quick`` runs the tiny
+reusing freed blocks as the trainer sets it (``memfit.train.cpu.keep_freed_memory``). ``--quick`` runs the
+tiny
 CPU-recipe model instead (seconds). ``--recipe`` runs the generalising recipe's step (``--config
 general``: the CPU preset's model and loss at hop 200, the PESQ, STOI and -SI-SDR terms at 0.6, 10 and
 0.01, batch 4 x 1 s, fp32).
@@ -27,7 +28,7 @@ import time
 import torch
 from mbsnet_speech.config import SETTINGS, default_config, tiny_config
 from mbsnet_speech.system import train_step
-from memfit.cpu import keep_freed_memory, minor_page_faults
+from memfit.train.cpu import keep_freed_memory, minor_page_faults
 
 
 def main(argv=None) -> None:

@@ -10,10 +10,10 @@
 Rows per size (batch B, dim D, length L, state N):
 
 * ``selective_scan``: memfit's chunked recomputing Mamba-1 scan (A is (D, N): every state entry has
-  its own decay) as it runs by default on CPU: the fused C kernel (memfit/_scan_kernel.c, chunk 64)
+  its own decay) as it runs by default on CPU: the fused C kernel (memfit/cpu_kernel.c, chunk 64)
   when a C compiler is there, on its channel-lane path for this layout (blocks of 16 channels, the
   state as N lane vectors). ``selective_scan seq. path``: the same kernel on its sequence path (one
-  (b, d) sequence per work item, the N-vector state as the SIMD axis; ``memfit.ssm.LANE_PATH = False``),
+  (b, d) sequence per work item, the N-vector state as the SIMD axis; ``memfit.ops.scan.LANE_PATH = False``),
   which is what ran before the lane path existed. ``selective_scan torch-ops``: the same scan with
   ``use_kernels=False``, its torch-op path (auto chunk size), the fallback without a compiler.
 * ``ssd (Mamba-2)``: tools/ssd_reference.py, our plain re-implementation of Mamba-2's chunked SSD on
@@ -29,7 +29,7 @@ of (B, L, D) tensors, B/C (B, N, L) per step; ``--contiguous`` makes the per-ste
 (B, D, L), where the kernel takes its sequence path). Forward + backward is the output's backward with a
 fixed random gradient. Time: median wall seconds of ``--repeat`` runs, the candidates alternated within
 each repeat (CPU seconds of this process beside it). Peak: tensor memory allocated inside forward +
-backward, inputs included (``memfit.memory.measure_peak``).
+backward, inputs included (``memfit.estimate.memory.measure_peak``).
 
 ``--mbsnet`` runs the shapes the MBS-Net CPU recipe (mbsnet-speech ``--config cpu``: 64 channels,
 d_state 8, expand 1, batch 4 of 1 s) passes its scans: 48 sequences of 161 frames (temporal) and 644 of
@@ -49,10 +49,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from memfit import ssm
-from memfit._scan_kernel import library as fused_kernel
-from memfit.memory import measure_peak
-from memfit.ssm import auto_chunk_size, selective_scan, selective_scan_ref
+from memfit.estimate.memory import measure_peak
+from memfit.ops import scan as ssm
+from memfit.ops.cpu_kernel import library as fused_kernel
+from memfit.ops.scan import auto_chunk_size, selective_scan, selective_scan_ref
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ssd_reference import ssd_scan  # noqa: E402
@@ -132,7 +132,7 @@ def mamba1(fn, lane_path=True):
     def step(t):
         return fn(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"], t["delta_bias"], True)
 
-    step.lane_path = lane_path  # train_step holds memfit.ssm.LANE_PATH at this through backward
+    step.lane_path = lane_path  # train_step holds memfit.ops.scan.LANE_PATH at this through backward
     return step
 
 

@@ -16,7 +16,7 @@ import time
 import torch
 import torchvision
 from memfit.estimate import make_target
-from memfit.memory import MIB, estimate_training_step, measure_training_step, memtracker_peak
+from memfit.estimate.memory import MIB, estimate_training_step, measure_training_step, memtracker_peak
 
 
 def timed(fn):

@@ -28,7 +28,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from memfit.memory import TrainStep, default_optimizer  # noqa: E402
+from memfit.estimate.memory import TrainStep, default_optimizer  # noqa: E402
 from torch import nn  # noqa: E402
 
 MEASURE_LIMIT = 400e6  # parameters: above this a real two-step run needs > 6 GiB; estimate only
@@ -427,8 +427,8 @@ class Row:
 
 
 def run_entry(entry: Entry, measure: bool = True) -> Row:
-    from memfit.memory import estimate_training_step, measure_training_step
-    from memfit.trace import failure_text, trace_step
+    from memfit.estimate.memory import estimate_training_step, measure_training_step
+    from memfit.estimate.trace import failure_text, trace_step
 
     row = Row(entry.name, entry.family, entry.shape, None, None, None)
     try:
@@ -533,8 +533,9 @@ Every classification model of `torchvision.models.list_models()`, {len(TIMM)} ti
 families (drop-path 0.1 where the model has it), {len(TF)} transformers architectures built from small
 configs (decoders, encoders, encoder-decoders, vision, speech), and an LSTM of our own, at small CPU
 shapes. Each model's training step (cross-entropy, or the model's own loss for encoder-decoders; fused
-AdamW; fp32 unless stated) is **estimated** (`memfit.trace.trace_step`: fake tensors, what
-`memfit estimate` runs) and **measured** (`memfit.memory.measure_training_step`: two real steps on the
+AdamW; fp32 unless stated) is **estimated** (`memfit.estimate.trace.trace_step`: fake tensors, what
+`memfit estimate` runs) and **measured** (`memfit.estimate.memory.measure_training_step`: two real steps on
+the
 CPU, every live tensor storage counted, so the peak is the steady state with optimizer state).
 "measured MiB" is that real peak, "error" is (estimate - measured) / measured, "estimate s" the
 estimate's own time in the process (1 thread; the CLI adds its start-up, mostly importing torch and the

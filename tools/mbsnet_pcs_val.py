@@ -26,7 +26,7 @@ from mbsnet_speech.data import SAMPLE_RATE
 from mbsnet_speech.eval import score_model
 from mbsnet_speech.system import SYSTEM
 from mbsnet_speech.train import build_data, freeze_phase_head
-from memfit.settings import flatten, override
+from memfit.train.settings import flatten, override
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mbsnet_speech.enhance import inference_overrides, shipped_model
 from mbsnet_speech.system import SYSTEM
-from memfit.export import export_run, model_card
+from memfit.train.export import export_run, model_card
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from mbsnet_speech.eval import score_model
 from mbsnet_speech.losses import enhancement_loss
 from mbsnet_speech.model import MBSNet, count_params
 from mbsnet_speech.train import freeze_phase_head
-from memfit.loop import ema_avg_fn
+from memfit.train.loop import ema_avg_fn
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "speech-tts"
 

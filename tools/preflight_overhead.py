@@ -3,9 +3,10 @@
     uv run python tools/preflight_overhead.py            (1 thread; each system at a large batch)
 
 For each system's CPU recipe (at a batch large enough that the step dwarfs the process), prints the
-estimated tensor peak (memfit.memory.estimate_training_step), the growth of the process's peak RSS over
+estimated tensor peak (memfit.estimate.memory.estimate_training_step), the growth of the process's peak RSS
+over
 two real steps, and their ratio, with malloc's defaults and with the Trainer's keep_freed_memory. The
-largest ratio is memfit.preflight.OVERHEAD["cpu"]'s evidence. Each case runs in a fresh process.
+largest ratio is memfit.estimate.preflight.OVERHEAD["cpu"]'s evidence. Each case runs in a fresh process.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ CASES = [("mbsnet-speech", 39), ("mbsnet-speech", 100), ("ginr-cifar", 512), ("g
 def one(system: str, batch: int) -> None:
     """Run in a child: estimate, then two real steps; print 'estimate growth' in bytes."""
     import torch
-    from memfit.cpu import keep_freed_memory
-    from memfit.memory import _run_step, estimate_training_step
+    from memfit.estimate.memory import _run_step, estimate_training_step
+    from memfit.train.cpu import keep_freed_memory
 
     if os.environ.get("KEEP_FREED") == "1":
         keep_freed_memory()
@@ -83,7 +84,7 @@ def main() -> None:
             worst = max(worst, growth / estimate)
             cells.append(f"{growth / 2**30:.3f} ({growth / estimate:.2f}x)")
         print(f"{system:<20} {batch:>5} {estimate / 2**30:>12.3f} {' / '.join(cells):>40}")
-    print(f"largest ratio: {worst:.2f}x (memfit.preflight.OVERHEAD['cpu'] must be at least this)")
+    print(f"largest ratio: {worst:.2f}x (memfit.estimate.preflight.OVERHEAD['cpu'] must be at least this)")
 
 
 if __name__ == "__main__":

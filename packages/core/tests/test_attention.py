@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 import warnings
 
-import memfit.attention as A
+import memfit.ops.attention as A
 import pytest
 import torch
-from memfit.attention import attention, attention_ref, band_attention, force_backend
-from memfit.memory import fake_mode, measure_peak
+from memfit.estimate.memory import fake_mode, measure_peak
+from memfit.ops.attention import attention, attention_ref, band_attention, force_backend
 from torch.nn.attention.flex_attention import create_block_mask
 
 
@@ -99,7 +99,7 @@ def test_band_ignores_autocast_and_keeps_input_dtype():
 
 
 def test_band_runs_under_fake_tensors():
-    # memfit.memory estimates full-size training steps with fake tensors: the band path must trace.
+    # memfit.estimate.memory estimates full-size training steps with fake tensors: the band path must trace.
     with fake_mode():
         q, k, v = (torch.randn(2, 4, 1024, 64, requires_grad=True) for _ in range(3))
         out = band_attention(q, k, v, 256)
@@ -339,7 +339,7 @@ def test_mixed_dtypes_rejected():
 @pytest.mark.cuda
 @pytest.mark.parametrize("L,w", [(257, 64), (1024, 128), (100, 200)])
 def test_flex_on_cuda_matches_reference(L, w):
-    from memfit import probes
+    from memfit.ops import registry as probes
 
     q, k, v = _qkv(2, 4, L, 64, device="cuda")
     probes.reset()
@@ -360,7 +360,7 @@ def test_band_on_cuda_matches_reference():
 @pytest.mark.cuda
 def test_flash_on_cuda_matches_reference():
     """flash-attn must be installed and pass its probe here (the GPU job installs the cuda extra)."""
-    from memfit import probes
+    from memfit.ops import registry as probes
 
     assert A.flash_available(), "flash-attn does not import: install the cuda extra (README, GPU)"
     q, k, v = _qkv(2, 4, 513, 64, dtype=torch.bfloat16, device="cuda")

@@ -97,7 +97,7 @@ def test_budget_unknown_system_is_clear(capsys):
 
 
 def test_largest_batch_search_is_exact():
-    from memfit.fit import largest_batch
+    from memfit.estimate.fit import largest_batch
 
     calls = []
 

@@ -1,17 +1,18 @@
-"""memfit.cpu.keep_freed_memory: a training step's large blocks are reused, not page-faulted in again."""
+"""memfit.train.cpu.keep_freed_memory: a training step's large blocks are reused, not page-faulted in
+again."""
 
 import subprocess
 import sys
 
 import pytest
-from memfit import cpu
+from memfit.train import cpu
 
 # A Mamba forward + backward whose activations (44 and 89 MiB) are above malloc's largest mmap threshold
 # (32 MiB): prints the minor page faults of the last three of six steps, and whether the tuning is on.
 _PROBE = """
 import sys, torch
-from memfit import cpu
-from memfit.mamba import Mamba, MambaConfig
+from memfit.train import cpu
+from memfit.ops.mamba import Mamba, MambaConfig
 torch.set_num_threads(1)
 on = cpu.keep_freed_memory() if sys.argv[1] == "1" else False
 torch.manual_seed(0)
@@ -44,7 +45,7 @@ def test_keep_freed_memory_stops_refaulting_a_training_steps_blocks():
 
 
 def test_keep_freed_memory_can_be_turned_off():
-    code = "from memfit import cpu; print(cpu.keep_freed_memory())"
+    code = "from memfit.train import cpu; print(cpu.keep_freed_memory())"
     env = {"MEMFIT_KEEP_FREED": "0", "PATH": ""}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.strip() == "False"

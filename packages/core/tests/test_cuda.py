@@ -1,5 +1,6 @@
 """On a GPU, with the cuda extra installed (`pytest -m cuda`; the GPU CI job runs `memfit doctor
---require-cuda` first). Every test asserts which kernel ran (memfit.probes.ran), so a missing or unusable
+--require-cuda` first). Every test asserts which kernel ran (memfit.ops.registry.ran), so a missing or
+unusable
 kernel fails here instead of passing on the PyTorch path. Without CUDA these tests fail (conftest.py)."""
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import textwrap
 
 import pytest
 import torch
-from memfit import probes
-from memfit.checkpoint import list_checkpoints
-from memfit.loop import Trainer, WarmupCosine, step_generator
-from memfit.mamba import Mamba, MambaConfig
-from memfit.settings import LoopConfig
-from memfit.ssm import selective_scan, selective_scan_ref
+from memfit.ops import registry as probes
+from memfit.ops.mamba import Mamba, MambaConfig
+from memfit.ops.scan import selective_scan, selective_scan_ref
+from memfit.train.checkpoint import list_checkpoints
+from memfit.train.loop import Trainer, WarmupCosine, step_generator
+from memfit.train.settings import LoopConfig
 from torch import nn
 
 pytestmark = pytest.mark.cuda
@@ -173,10 +174,10 @@ DDP_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, {testdir!r})
-    from memfit import probes
-    from memfit.distributed import dist_info
-    from memfit.loop import Trainer
-    from memfit.settings import LoopConfig
+    from memfit.ops import registry as probes
+    from memfit.train.distributed import dist_info
+    from memfit.train.loop import Trainer
+    from memfit.train.settings import LoopConfig
     from test_cuda import MambaNet, loss_fn, make_batch
 
     info = dist_info()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from memfit import distributed
-from memfit.checkpoint import _rng_state, _set_rng_state
+from memfit.train import distributed
+from memfit.train.checkpoint import _rng_state, _set_rng_state
 
 
 def test_cuda_under_torchrun_is_the_ranks_own_gpu(monkeypatch):

@@ -7,7 +7,9 @@ import types
 
 import pytest
 import torch
-from memfit import cli, doctor, probes
+from memfit import cli
+from memfit.ops import doctor
+from memfit.ops import registry as probes
 
 from tests.fake_kernels import fake_conv, fake_flash, fake_scan
 
@@ -41,7 +43,7 @@ def test_doctor_without_cuda(capsys):
 
 
 def test_doctor_names_the_cpu_scan_compiler(monkeypatch, capsys):
-    from memfit import _scan_kernel
+    from memfit.ops import cpu_kernel as _scan_kernel
 
     monkeypatch.setattr(_scan_kernel, "_compiler", lambda: None)
     assert "no C compiler" in doctor.cpu_scan()

@@ -1,4 +1,5 @@
-"""memfit.kernels: the CPU kernel corrections against the real kernels, and the CUDA target's rules against
+"""memfit.estimate.rules: the CPU kernel corrections against the real kernels, and the CUDA target's rules
+against
 the ops' documented outputs and CUDA's own autocast dispatcher (fake CUDA tensors run forward, no GPU)."""
 
 import warnings
@@ -6,9 +7,9 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from memfit import kernels
-from memfit.memory import TrainStep, estimate_training_step, measure_training_step
-from memfit.trace import SAVED, SHAPE, trace_step
+from memfit.estimate import rules as kernels
+from memfit.estimate.memory import TrainStep, estimate_training_step, measure_training_step
+from memfit.estimate.trace import SAVED, SHAPE, trace_step
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -202,7 +203,7 @@ def test_cuda_rules_reach_activation_checkpointings_recompute():
     target enters its rules around the recompute too, so the recomputed layer_norm is fp32 like the saved
     one (torch.utils.checkpoint refuses a mismatch) and the estimate runs; with a bf16 autocast block the
     CUDA target's fp32 layer norms make it larger than the CPU kernels' estimate."""
-    from memfit.layers import checkpointed
+    from memfit.ops.layers import checkpointed
 
     class Block(nn.Module):
         def __init__(self):
@@ -238,7 +239,7 @@ def _mbsnet_chunked_200f():
 
 
 def _cuda_peak(step, extra=None):
-    from memfit.kernels import assume_cuda_extra
+    from memfit.estimate.rules import assume_cuda_extra
 
     with assume_cuda_extra(extra or kernels.WITH_CUDA_EXTRA):
         return estimate_training_step(step, device="cuda").peak_bytes
@@ -248,7 +249,7 @@ def _cuda_peak(step, extra=None):
 def torch_op_scan_peak(monkeypatch):
     """mbsnet chunked-200f's CUDA estimate with the fused CPU kernels off (MEMFIT_SCAN_KERNEL=0): what
     `memfit budget --device cuda` gives then, the torch-op scan and conv."""
-    from memfit import _scan_kernel
+    from memfit.ops import cpu_kernel as _scan_kernel
 
     entry = _mbsnet_chunked_200f()
     monkeypatch.setenv("MEMFIT_SCAN_KERNEL", "0")
@@ -278,8 +279,11 @@ def test_no_cuda_kernels_estimates_the_torch_op_path_and_the_default_the_extra(t
 
 
 def test_preflight_on_a_gpu_without_mamba_ssm_estimates_the_torch_op_path(monkeypatch, torch_op_scan_peak):
-    """The pre-flight on a (faked) CUDA device asks memfit.probes what the GPU has."""
-    from memfit import mamba, preflight, probes, ssm
+    """The pre-flight on a (faked) CUDA device asks memfit.ops.registry what the GPU has."""
+    from memfit.estimate import preflight
+    from memfit.ops import mamba
+    from memfit.ops import registry as probes
+    from memfit.ops import scan as ssm
 
     entry = _mbsnet_chunked_200f()
     probes.reset(probes=True)

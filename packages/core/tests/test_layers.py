@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-from memfit.layers import CrossAttention, FeedForward, FourierFeatures, PreNorm
+from memfit.ops.layers import CrossAttention, FeedForward, FourierFeatures, PreNorm
 
 
 def _ref_cross_attention(m: CrossAttention, x, context, window=None):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import memfit.ssm
+import memfit.ops.scan
 import pytest
 import torch
 import torch.nn.functional as F
-from memfit.mamba import BiMamba, Mamba, MambaConfig
-from memfit.memory import TrainStep, estimate_training_step, measure_training_step
+from memfit.estimate.memory import TrainStep, estimate_training_step, measure_training_step
+from memfit.ops.mamba import BiMamba, Mamba, MambaConfig
 
 
 def formula(cfg: MambaConfig) -> int:
@@ -99,9 +99,9 @@ def test_mamba_with_chunked_scan_equals_reference_scan(monkeypatch):
     y, grads = loss_and_grads()
 
     def ref(*args, chunk_size=None, use_kernels=True, **kw):
-        return memfit.ssm.selective_scan_ref(*args, **kw)
+        return memfit.ops.scan.selective_scan_ref(*args, **kw)
 
-    monkeypatch.setattr(memfit.ssm, "selective_scan", ref)
+    monkeypatch.setattr(memfit.ops.scan, "selective_scan", ref)
     y_ref, grads_ref = loss_and_grads()
     torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-12)
     for n in grads:
@@ -143,11 +143,11 @@ def test_bad_config():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_cpu_conv_matches_torch_conv(dtype):
-    """The block's depthwise causal conv + SiLU in C (memfit/_scan_kernel.c) against torch's conv1d:
+    """The block's depthwise causal conv + SiLU in C (memfit/cpu_kernel.c) against torch's conv1d:
     output and the gradients of input, weight and bias, on the strided input a Mamba block passes, with
     1 and 3 threads (per-thread weight-gradient accumulators summed)."""
-    from memfit import _scan_kernel
-    from memfit.mamba import conv_silu
+    from memfit.ops import cpu_kernel as _scan_kernel
+    from memfit.ops.mamba import conv_silu
 
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")
@@ -178,7 +178,7 @@ def test_mamba_block_runs_the_scan_kernels_lane_path(monkeypatch, dtype):
     B/C shared by all channels) must reach the kernel's channel-lane path in both directions, a d_inner
     that is not a multiple of the lane count included: a layout change upstream must not silently send
     it back to the slower sequence path."""
-    from memfit import _scan_kernel
+    from memfit.ops import cpu_kernel as _scan_kernel
 
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")
@@ -197,7 +197,7 @@ def test_bf16_autocast_runs_the_fused_kernels_and_matches_the_torch_ops(monkeypa
     scan take the fused fp32 kernels, the scan on its lane path (before, autocast sent the block to
     torch's conv and the scan's sequence path: 1.6x the step time). Output and gradients agree with the
     torch-op path under the same autocast to bf16 accuracy."""
-    from memfit import _scan_kernel
+    from memfit.ops import cpu_kernel as _scan_kernel
 
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")
@@ -234,7 +234,7 @@ def test_torch_compile_of_a_mamba_block_runs_the_fused_kernels():
     memfit::scan_fwd and their backwards: a ctypes call would end the graph): the ops are in the graph
     dynamo captures, the kernels run in the compiled step, and output and gradients equal eager's (every
     parameter's: a forward returning ``y.to(same dtype)`` once made every gradient below out_proj zero)."""
-    from memfit import _scan_kernel
+    from memfit.ops import cpu_kernel as _scan_kernel
 
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")
@@ -279,7 +279,7 @@ def test_an_estimate_does_not_wait_for_the_kernel_build(tmp_path, monkeypatch):
     """A memory estimate takes the fused kernel's fake ops without building it (the first `train` pre-flight
     on a machine stays fast); the lane count it sizes buffers by is the one the built kernel reports, and
     the estimate is the same before and after the build."""
-    from memfit import _scan_kernel as K
+    from memfit.ops import cpu_kernel as K
 
     if not K.available():
         pytest.skip("no C compiler: the fused kernel is not used here")

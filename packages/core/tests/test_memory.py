@@ -6,7 +6,7 @@ import resource
 import pytest
 import torch
 import torch.nn.functional as F
-from memfit.memory import (
+from memfit.estimate.memory import (
     TrainStep,
     estimate_training_step,
     measure_peak,

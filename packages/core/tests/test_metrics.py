@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from memfit.metrics import psnr_per_image
+from memfit.train.metrics import psnr_per_image
 
 
 def test_psnr_known_values():

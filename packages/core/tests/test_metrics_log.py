@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 from memfit.errors import UsageError
-from memfit.loop import Trainer, step_generator
-from memfit.metrics_log import MetricsLog
-from memfit.settings import LoopConfig
+from memfit.train.loop import Trainer, step_generator
+from memfit.train.metrics_log import MetricsLog
+from memfit.train.settings import LoopConfig
 from torch import nn
 
 

@@ -1,13 +1,15 @@
 """Kernel dispatch on a faked GPU: preconditions and probes choose the kernel or the PyTorch path, say so
-once, and `memfit.probes.ran()` tells which path ran (the GPU job's `cuda` tests assert the real ones)."""
+once, and `memfit.ops.registry.ran()` tells which path ran (the GPU job's `cuda` tests assert the real
+ones)."""
 
 import warnings
 
 import pytest
 import torch
-from memfit import attention as A
-from memfit import mamba as M
-from memfit import probes, ssm
+from memfit.ops import attention as A
+from memfit.ops import mamba as M
+from memfit.ops import registry as probes
+from memfit.ops import scan as ssm
 
 from tests.fake_kernels import fake_conv, fake_flash, fake_scan
 

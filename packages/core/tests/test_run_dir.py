@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from memfit.checkpoint import list_checkpoints
 from memfit.errors import UsageError, run_command
-from memfit.loop import Trainer, step_generator
-from memfit.settings import LoopConfig
+from memfit.train.checkpoint import list_checkpoints
+from memfit.train.loop import Trainer, step_generator
+from memfit.train.settings import LoopConfig
 from torch import nn
 
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from memfit.config import check_fields, from_dict
 from memfit.errors import UsageError
-from memfit.settings import LoopConfig, Settings, TrainParser, override, tree_dict, write_run_config
+from memfit.train.config import check_fields, from_dict
+from memfit.train.settings import LoopConfig, Settings, TrainParser, override, tree_dict, write_run_config
 
 
 @dataclass(frozen=True)

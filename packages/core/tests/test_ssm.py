@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 import torch
-from memfit.memory import measure_peak
-from memfit.ssm import auto_chunk_size, selective_scan, selective_scan_ref
+from memfit.estimate.memory import measure_peak
+from memfit.ops.scan import auto_chunk_size, selective_scan, selective_scan_ref
 
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
 
@@ -103,7 +103,7 @@ PATHS = [pytest.param(True, id="fused"), pytest.param(False, id="torch-ops")]
 
 
 def fused_kernel_available() -> bool:
-    from memfit import _scan_kernel
+    from memfit.ops import cpu_kernel as _scan_kernel
 
     return _scan_kernel.library() is not None
 
@@ -151,7 +151,7 @@ def test_fp32_matches_fp64_reference(layout, L, chunk, kernels):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Records (name, lane path?) of every fused-kernel call."""
-    from memfit import _scan_kernel
+    from memfit.ops import cpu_kernel as _scan_kernel
 
     if not fused_kernel_available():
         pytest.skip("no C compiler here: the fused CPU kernel is not built")
@@ -206,7 +206,7 @@ def test_lane_path_bf16_inputs_equal_fp32_inputs_then_rounded(monkeypatch, N, ga
     the same values in fp32 give, rounded to bf16 as torch's .to rounds (to nearest even; subnormal outputs
     too, with ``tiny`` u). N 16 with the gate is the kernel's compiled-in autocast case; N 8 without z
     takes its general bf16 branches."""
-    from memfit import _scan_kernel
+    from memfit.ops import cpu_kernel as _scan_kernel
 
     if not fused_kernel_available():
         pytest.skip("no C compiler here: the fused CPU kernel is not built")
@@ -321,7 +321,7 @@ def test_default_chunk_and_output_dtype_under_autocast():
 def test_fused_kernel_threads_agree_and_are_used(monkeypatch):
     """1 and 3 threads (per-thread gradient accumulators summed) give the same result, and the default
     CPU path really is the fused kernel (a broken build would otherwise hide behind the fallback)."""
-    from memfit import ssm
+    from memfit.ops import scan as ssm
 
     calls, orig = [], ssm._fused_scan
     monkeypatch.setattr(ssm, "_fused_scan", lambda *a: calls.append(1) or orig(*a))
@@ -333,7 +333,8 @@ def test_fused_kernel_threads_agree_and_are_used(monkeypatch):
 
 
 def test_runs_on_fake_tensors():
-    """memfit.memory estimates training steps under FakeTensorMode: no data-dependent code allowed."""
+    """memfit.estimate.memory estimates training steps under FakeTensorMode: no data-dependent code
+    allowed."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -348,7 +349,7 @@ def test_runs_on_fake_tensors():
 def test_chunk_plan_runs_every_chunk_once_in_order():
     """The torch-op path runs chunks 0, 1 and the last itself and 2 .. n-2 in one op per direction
     (whose fake implementation skips them): together every chunk once, in order."""
-    from memfit.ssm import _chunk_plan
+    from memfit.ops.scan import _chunk_plan
 
     for n in range(1, 9):
         first, middle, last = _chunk_plan(n)
@@ -427,7 +428,7 @@ def test_fake_tensor_path_allocates_like_the_real_one(layout, channels_last, ker
     size of allocation the real run makes (the chunks it skips repeat the same ones). The fused CPU path
     runs on fake tensors too, skipping only its C calls: the same check holds for it, on either of its
     paths (channel-stride-1 inputs with per-step B/C take the channel-lane path)."""
-    from memfit.memory import _StorageTracker, fake_mode
+    from memfit.estimate.memory import _StorageTracker, fake_mode
 
     class Tracker(_StorageTracker):
         def __init__(self, fake):

@@ -1,5 +1,5 @@
 """A fifth system, defined here and registered through the contract alone (docs/adding-a-system.md):
-a frozen model config and training recipe, settings presets and flags (memfit.settings), the Trainer,
+a frozen model config and training recipe, settings presets and flags (memfit.train.settings), the Trainer,
 one checkpoint schema and System.load_model. It trains end to end through `train`, evaluates through
 `eval`, resumes, and refuses bad input like the four real systems do.
 """
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 from memfit import cli
-from memfit.checkpoint import load_checkpoint
-from memfit.config import check_fields
-from memfit.flags import Parser, add_eval_args, apply_threads, eval_out_dir
-from memfit.layers import checkpointed
-from memfit.loop import Trainer, step_generator
-from memfit.run_dir import resolve_run
-from memfit.settings import LoopConfig, Settings, TrainParser
+from memfit.ops.layers import checkpointed
 from memfit.system import System, available_systems, register, unregister
+from memfit.train.checkpoint import load_checkpoint
+from memfit.train.config import check_fields
+from memfit.train.flags import Parser, add_eval_args, apply_threads, eval_out_dir
+from memfit.train.loop import Trainer, step_generator
+from memfit.train.run_dir import resolve_run
+from memfit.train.settings import LoopConfig, Settings, TrainParser
 from torch import nn
 
 NAME = "toy-regression"

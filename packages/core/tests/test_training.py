@@ -10,15 +10,15 @@ import textwrap
 
 import pytest
 import torch
-from memfit.checkpoint import (
+from memfit.train.checkpoint import (
     checkpoint_candidates,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
 )
-from memfit.loop import Progress, Trainer, WarmupCosine, step_generator
-from memfit.settings import LoopConfig
+from memfit.train.loop import Progress, Trainer, WarmupCosine, step_generator
+from memfit.train.settings import LoopConfig
 from torch import nn
 
 TRUE_W = torch.linspace(-1, 1, 16)
@@ -165,9 +165,9 @@ DDP_SCRIPT = textwrap.dedent(
     """
     import sys, torch
     from torch import nn
-    from memfit.distributed import dist_info
-    from memfit.loop import Trainer
-    from memfit.settings import LoopConfig
+    from memfit.train.distributed import dist_info
+    from memfit.train.loop import Trainer
+    from memfit.train.settings import LoopConfig
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     sys.path.insert(0, {testdir!r})
     from test_training import make_batch
@@ -266,7 +266,7 @@ def test_warmup_cosine_matches_nanogpt_get_lr():
 
 
 class FakeClock:
-    """memfit.loop.now for tests: `dt` seconds pass per reading (the Trainer reads it once per step
+    """memfit.train.loop.now for tests: `dt` seconds pass per reading (the Trainer reads it once per step
     boundary), and SIGINT arrives at reading number `interrupt_at` (0-based; None: never)."""
 
     def __init__(self, dt, interrupt_at=None):
@@ -286,13 +286,13 @@ def test_max_minutes_is_the_runs_total_budget_and_resume_follows_the_same_lr(tmp
     """A 6-minute budget at a minute per step: 6 steps, stopped cleanly. The same run interrupted after
     step 2 and resumed with the same --max_minutes takes the same 6 steps with the same learning rates
     (the Trainer's clock is saved in the checkpoint), and a further resume has nothing left to train."""
-    import memfit.loop
+    import memfit.train.loop
 
     def lrs(path):
         rows = map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
         return [r["lr"] for r in rows if "lr" in r]
 
-    monkeypatch.setattr(memfit.loop, "now", FakeClock(60.0))
+    monkeypatch.setattr(memfit.train.loop, "now", FakeClock(60.0))
     full = build(tmp_path / "full", steps=None, save_every=0, max_minutes=6)
     out = full.fit()
     assert out["stopped_early"] and full.step == 6
@@ -300,12 +300,12 @@ def test_max_minutes_is_the_runs_total_budget_and_resume_follows_the_same_lr(tmp
     assert "--max_minutes 6 spent" in err and "stopped at step 6;" in err and "larger --max_minutes" in err
     assert load_checkpoint(tmp_path / "full")["progress"]["seconds"] == pytest.approx(360.0)
 
-    monkeypatch.setattr(memfit.loop, "now", FakeClock(60.0, interrupt_at=2))
+    monkeypatch.setattr(memfit.train.loop, "now", FakeClock(60.0, interrupt_at=2))
     part = build(tmp_path / "part", steps=None, save_every=0, max_minutes=6)
     with pytest.raises(SystemExit) as e:
         part.fit()
     assert e.value.code == 130 and part.step == 2
-    monkeypatch.setattr(memfit.loop, "now", FakeClock(60.0))
+    monkeypatch.setattr(memfit.train.loop, "now", FakeClock(60.0))
     resumed = build(tmp_path / "part", steps=None, save_every=0, max_minutes=6, resume=True)
     assert resumed.step == 2 and resumed.seconds == pytest.approx(120.0)
     assert resumed.fit()["stopped_early"] and resumed.step == 6

@@ -8,7 +8,7 @@ import pytest
 import torch
 from ginr_cifar import eval as ginr_eval
 from ginr_cifar import train as ginr_train
-from memfit.checkpoint import list_checkpoints, load_checkpoint
+from memfit.train.checkpoint import list_checkpoints, load_checkpoint
 from PIL import Image
 
 SHARED = Path(__file__).resolve().parents[3] / ".." / "shared" / "data" / "cifar10-jpg" / "train"

@@ -9,7 +9,7 @@ import torch
 from gpt2_window.config import GPTConfig
 from gpt2_window.model import GPT
 from gpt2_window.system import SYSTEM, budget_entries
-from memfit.memory import estimate_training_step, measure_training_step
+from memfit.estimate.memory import estimate_training_step, measure_training_step
 
 ENTRIES = {e.variant: e for e in budget_entries()}
 
@@ -56,7 +56,7 @@ def test_calibration_other_variants(variant):
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
 def test_flex_block_mask_cache_stays_bounded_over_20_lengths():
     """Through the model: 20 sequence lengths on the Flex path keep at most max_entries block masks."""
-    from memfit import attention as A
+    from memfit.ops import attention as A
 
     before = A.block_mask_cache_info()["max_entries"]
     A.clear_block_mask_cache()

@@ -9,7 +9,7 @@ import torch
 from gpt2_window.config import GPTConfig
 from gpt2_window.model import GPT
 from gpt2_window.system import budget_entries
-from memfit.memory import measure_training_step
+from memfit.estimate.memory import measure_training_step
 
 pytestmark = pytest.mark.cuda
 
@@ -44,7 +44,7 @@ def test_d12_measured_peaks_on_cuda():
 def test_generate_in_fp32_on_cuda_compiles_a_few_lengths():
     """fp32 windowed layers take compiled FlexAttention on CUDA; generate() pads contexts to powers of two,
     so 150 new tokens compile a handful of graphs, not one per length."""
-    from memfit import probes
+    from memfit.ops import registry as probes
     from torch._dynamo.utils import counters
 
     cfg = GPTConfig(block_size=256, vocab_size=101, n_layer=2, n_head=4, n_embd=128, window=[32, None])

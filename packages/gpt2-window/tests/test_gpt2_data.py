@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from gpt2_window.data import LLMC_MAGIC, Tokenizer, default_corpus, load_data, read_text
-from memfit.loop import step_generator
+from memfit.train.loop import step_generator
 
 
 def test_char_tokenizer_round_trip_and_unknown_characters():

@@ -201,7 +201,7 @@ def test_generate_on_cuda_runs_a_few_lengths_not_one_per_token(monkeypatch):
     """On CUDA a windowed layer may take compiled FlexAttention, which compiles once per length: generate()
     pads contexts to powers of two (>= 64, <= block_size). Faked here: CPU tensors taken for CUDA ones."""
     import gpt2_window.model as gm
-    from memfit import probes
+    from memfit.ops import registry as probes
 
     cfg = small(block_size=200, window=[16, None, 32])
     torch.manual_seed(0)

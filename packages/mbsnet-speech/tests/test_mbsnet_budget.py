@@ -1,7 +1,9 @@
 import pytest
-from memfit.memory import estimate_training_step, measure_training_step
+from memfit.estimate.memory import estimate_training_step, measure_training_step
 
-pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba block) is not installed yet")
+pytest.importorskip(
+    "memfit.ops.mamba", reason="memfit.ops.mamba (the chunked Mamba block) is not installed yet"
+)
 
 from mbsnet_speech.system import BUDGET_GIB, SYSTEM, calibration_step  # noqa: E402
 

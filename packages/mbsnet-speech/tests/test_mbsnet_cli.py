@@ -8,7 +8,9 @@ import soundfile as sf
 import torch
 from memfit.errors import UsageError, run_command
 
-pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba block) is not installed yet")
+pytest.importorskip(
+    "memfit.ops.mamba", reason="memfit.ops.mamba (the chunked Mamba block) is not installed yet"
+)
 
 from mbsnet_speech import enhance, eval, train  # noqa: E402
 from mbsnet_speech.enhance import enhance_array  # noqa: E402

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba block) is not installed yet")
+pytest.importorskip(
+    "memfit.ops.mamba", reason="memfit.ops.mamba (the chunked Mamba block) is not installed yet"
+)
 
 from mbsnet_speech import eval, train  # noqa: E402
 

@@ -6,7 +6,9 @@ from mbsnet_speech.baselines import SeedMamba, materialising_scan
 from mbsnet_speech.config import band_widths, default_config, seed_config, tiny_config
 from mbsnet_speech.model import BandSplit, MBSNet, count_params, overlap_add_istft
 
-pytest.importorskip("memfit.mamba", reason="memfit.mamba (the chunked Mamba block) is not installed yet")
+pytest.importorskip(
+    "memfit.ops.mamba", reason="memfit.ops.mamba (the chunked Mamba block) is not installed yet"
+)
 
 
 def test_default_config_has_2_4_to_2_8_million_params_and_seed_is_bloated():
@@ -101,7 +103,7 @@ def test_bidirectional_temporal_mamba_sees_the_future():
 
 
 def test_seed_materialising_scan_matches_memfit_reference_scan():
-    from memfit.ssm import selective_scan, selective_scan_ref
+    from memfit.ops.scan import selective_scan, selective_scan_ref
 
     torch.manual_seed(0)
     b, L, d, n = 2, 37, 6, 4

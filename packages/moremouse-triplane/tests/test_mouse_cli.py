@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from memfit.checkpoint import load_checkpoint
+from memfit.train.checkpoint import load_checkpoint
 from moremouse_triplane import eval as mouse_eval
 from moremouse_triplane import train as mouse_train
 from moremouse_triplane.data import export_scenes

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from memfit.memory import GIB, TrainStep, estimate_training_step, measure_training_step
+from memfit.estimate.memory import GIB, TrainStep, estimate_training_step, measure_training_step
 from moremouse_triplane.model import SelfAttention
 from moremouse_triplane.system import budget_entries
 

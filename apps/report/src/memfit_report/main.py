@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from memfit.errors import UsageError, console, os_error_message
-from memfit.flags import Parser
-from memfit.memory import GIB, estimate_training_step, measure_training_step
+from memfit.estimate.memory import GIB, estimate_training_step, measure_training_step
 from memfit.system import available_systems, load_system
+from memfit.train.flags import Parser
 
 CATEGORY_COLORS = {"params": "#4C72B0", "grads": "#55A868", "optimizer": "#C44E52", "activations": "#8172B2"}
 

@@ -22,9 +22,9 @@ from memfit import __version__
 from memfit.errors import UsageError, run_command
 from memfit.estimate import NO_CUDA_KERNELS_HELP, cuda_extra
 from memfit.estimate import add_parser as estimate_parser
-from memfit.flags import Parser, check_numbers
-from memfit.kernels import assume_cuda_extra
+from memfit.estimate.rules import assume_cuda_extra
 from memfit.system import BudgetEntry, available_systems, load_system
+from memfit.train.flags import Parser, check_numbers
 
 # ----------------------------------------------------------------------------------------------------
 # train / eval dispatcher
@@ -118,8 +118,8 @@ def eval_main(argv: list[str] | None = None) -> None:
 
 def budget_rows(system: str | None = None, device: str = "cpu") -> list[dict]:
     """Estimate every registered (system, variant) paper-size step; one dict per row (`budget --json`).
-    device="cuda": with a CUDA run's kernels and allocator rounding (memfit.kernels)."""
-    from memfit.memory import estimate_training_step
+    device="cuda": with a CUDA run's kernels and allocator rounding (memfit.estimate.rules)."""
+    from memfit.estimate.memory import estimate_training_step
 
     names = sorted(available_systems()) if system is None else [system]
     rows = []
@@ -188,7 +188,7 @@ def _budget(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from memfit.fit import fit_system, format_fit, nothing_fits
+    from memfit.estimate.fit import fit_system, format_fit, nothing_fits
 
     if args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
@@ -236,8 +236,8 @@ def _run_system(run: str, system: str | None, runs_dir: str) -> tuple[str, Path]
             raise UsageError(f"error: {where}; pass --system SYSTEM, or a run folder")
         system, path = found[0], Path(runs_dir) / found[0] / run
     if system is None:
-        from memfit.checkpoint import checkpoint_candidates, load_checkpoint
-        from memfit.settings import CONFIG_NAME
+        from memfit.train.checkpoint import checkpoint_candidates, load_checkpoint
+        from memfit.train.settings import CONFIG_NAME
 
         if (path / CONFIG_NAME).is_file():
             system = json.loads((path / CONFIG_NAME).read_text()).get("system")
@@ -253,7 +253,7 @@ def _run_system(run: str, system: str | None, runs_dir: str) -> tuple[str, Path]
 
 
 def _export(args: argparse.Namespace) -> int:
-    from memfit.export import export_run
+    from memfit.train.export import export_run
 
     name, path = _run_system(args.run, args.system, args.runs_dir)
     out = export_run(load_system(name), path, args.out, args.runs_dir, args.overwrite)
@@ -262,7 +262,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from memfit.plot import plot_run
+    from memfit.train.plot import plot_run
 
     out = plot_run(Path(args.run), Path(args.out) if args.out else None)
     print(f"wrote {out}")
@@ -270,7 +270,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from memfit import doctor
+    from memfit.ops import doctor
 
     return doctor.run(require_cuda=args.require_cuda)
 

@@ -20,12 +20,12 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from memfit.checkpoint import WeightsMismatch, checkpoint_candidates, load_intact
-from memfit.config import from_dict, with_overrides
 from memfit.errors import UsageError, console, first_line
-from memfit.export import CONFIG, WEIGHTS, is_export, load_export
-from memfit.memory import TrainStep
-from memfit.run_dir import resolve_run
+from memfit.estimate.memory import TrainStep
+from memfit.train.checkpoint import WeightsMismatch, checkpoint_candidates, load_intact
+from memfit.train.config import from_dict, with_overrides
+from memfit.train.export import CONFIG, WEIGHTS, is_export, load_export
+from memfit.train.run_dir import resolve_run
 
 ENTRY_POINT_GROUP = "memfit.systems"
 

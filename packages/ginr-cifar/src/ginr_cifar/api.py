@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from memfit.distributed import resolve_device
+from memfit.train.distributed import resolve_device
 
 from ginr_cifar.model import GINR
 

@@ -7,7 +7,7 @@ paper-size step need >= 25 GiB. ``memfit budget`` measures it against the ``ff``
 from __future__ import annotations
 
 import torch
-from memfit.attention import attention_ref
+from memfit.ops.attention import attention_ref
 from torch import nn
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memfit import config
-from memfit.config import check_fields
-from memfit.settings import LoopConfig, Settings
+from memfit.train import config
+from memfit.train.config import check_fields
+from memfit.train.settings import LoopConfig, Settings
 
 DECODERS = ("attn", "ff", "xattn")
 
@@ -108,7 +108,7 @@ PRESETS: dict[str, GINRConfig] = {
 
 
 def get_config(name: str = "balanced", **overrides) -> GINRConfig:
-    """A preset by name with field overrides (memfit.config.get_config)."""
+    """A preset by name with field overrides (memfit.train.config.get_config)."""
     return config.get_config(PRESETS, name, **overrides)
 
 

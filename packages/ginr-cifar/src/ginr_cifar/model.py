@@ -25,8 +25,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from memfit.layers import CrossAttention, FeedForward, FourierFeatures, PreNorm, checkpointed
-from memfit.mamba import BiMamba, MambaConfig
+from memfit.ops.layers import CrossAttention, FeedForward, FourierFeatures, PreNorm, checkpointed
+from memfit.ops.mamba import BiMamba, MambaConfig
 from torch import nn
 
 from ginr_cifar.baselines import NaiveSelfAttention

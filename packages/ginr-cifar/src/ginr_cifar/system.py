@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from memfit.memory import TrainStep
+from memfit.estimate.memory import TrainStep
 from memfit.system import BudgetEntry, Scaling, System
 
 from ginr_cifar.config import GINRConfig, get_config

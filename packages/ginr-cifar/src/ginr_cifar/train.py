@@ -15,11 +15,11 @@ from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
-from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import Trainer, WarmupCosine, autocast_context, set_seed, step_generator
-from memfit.memory import AMP_DTYPES
-from memfit.settings import TrainParser
+from memfit.estimate.memory import AMP_DTYPES
+from memfit.train.distributed import dist_info
+from memfit.train.loop import Trainer, WarmupCosine, autocast_context, set_seed, step_generator
+from memfit.train.settings import TrainParser
 
 from ginr_cifar.config import SETTINGS
 from ginr_cifar.data import default_cache_dir, load_split, sample_batch
@@ -89,7 +89,7 @@ def _sync(device: torch.device) -> None:
 
 def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int = 10) -> dict[str, float]:
     """Time encode vs decode (forward, ms) and measure peak memory of each and of a training step (MiB)."""
-    from memfit.memory import measure_peak
+    from memfit.estimate.memory import measure_peak
 
     images, coords, target = batch
     model.eval()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from memfit.distributed import resolve_device
 from memfit.errors import UsageError
+from memfit.train.distributed import resolve_device
 
 from gpt2_window.data import Tokenizer
 from gpt2_window.model import GPT

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from memfit import config
-from memfit.config import check_fields
-from memfit.settings import LoopConfig, Settings
+from memfit.train import config
+from memfit.train.config import check_fields
+from memfit.train.settings import LoopConfig, Settings
 
 ATTN_IMPLS = ("memfit", "ref", "seed")
 
@@ -27,8 +27,8 @@ class GPTConfig:
     window: int | list[int | None] | None = None
     # Activation checkpointing per block: keeps each block's input, recomputes the rest in backward.
     checkpoint: bool = False
-    # "memfit": memfit.attention (SDPA / flash-attn / Flex / CPU band path).
-    # "ref": memfit.attention.attention_ref, the naive masked softmax (for parity tests).
+    # "memfit": memfit.ops.attention (SDPA / flash-attn / Flex / CPU band path).
+    # "ref": memfit.ops.attention.attention_ref, the naive masked softmax (for parity tests).
     # "seed": the original script's mistake, kept as the naive memory baseline (see baselines.SeedMaskCache).
     attn_impl: str = "memfit"
     # how the model runs, not what it computes: `train --resume` may change these
@@ -83,7 +83,7 @@ PRESETS: dict[str, GPTConfig] = {
 
 
 def get_config(name: str, **overrides: Any) -> GPTConfig:
-    """A copy of PRESETS[name] with overrides applied (memfit.config.get_config)."""
+    """A copy of PRESETS[name] with overrides applied (memfit.train.config.get_config)."""
     return config.get_config(PRESETS, name, **overrides)
 
 

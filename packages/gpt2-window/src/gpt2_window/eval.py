@@ -11,11 +11,11 @@ import sys
 from pathlib import Path
 
 import torch
-from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
-from memfit.loop import autocast_context, step_generator
-from memfit.run_dir import resolve_run
+from memfit.train.distributed import resolve_device
+from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.train.loop import autocast_context, step_generator
+from memfit.train.run_dir import resolve_run
 
 from gpt2_window.data import TokenData, Tokenizer, load_data
 from gpt2_window.model import GPT

@@ -1,7 +1,7 @@
-"""GPT-2 (nanoGPT layout) whose attention is causal or sliding-window, always through memfit.attention.
+"""GPT-2 (nanoGPT layout) whose attention is causal or sliding-window, always through memfit.ops.attention.
 
 Why the sliding window never costs more memory than causal here: the model creates no mask at all.
-``memfit.attention.attention(q, k, v, causal=True, window=w)`` picks a kernel that knows the window
+``memfit.ops.attention.attention(q, k, v, causal=True, window=w)`` picks a kernel that knows the window
 (flash-attn's window on CUDA, FlexAttention with one bounded block-mask cache, or a CPU band path that
 skips masked blocks), and a sequence no longer than the window is plain causal SDPA. Everything the
 attention needs is made inside the block, so per-block activation checkpointing covers it too.
@@ -17,9 +17,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from memfit import probes
-from memfit.attention import attention, attention_ref
-from memfit.layers import checkpointed
+from memfit.ops import registry as probes
+from memfit.ops.attention import attention, attention_ref
+from memfit.ops.layers import checkpointed
 from torch import nn
 
 from gpt2_window.baselines import SeedMaskCache

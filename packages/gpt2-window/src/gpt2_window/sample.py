@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers
+from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers
 
 from gpt2_window.api import generate
 

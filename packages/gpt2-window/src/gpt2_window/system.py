@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from memfit.memory import TrainStep
+from memfit.estimate.memory import TrainStep
 from memfit.system import BudgetEntry, Scaling, System
 
 from gpt2_window.config import GPTConfig, get_config

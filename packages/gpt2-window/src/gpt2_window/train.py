@@ -12,12 +12,12 @@ import time
 from dataclasses import replace
 
 import torch
-from memfit.checkpoint import latest_checkpoint, load_checkpoint
-from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import Trainer, WarmupCosine, step_generator
-from memfit.memory import AMP_DTYPES
-from memfit.settings import TrainParser
+from memfit.estimate.memory import AMP_DTYPES
+from memfit.train.checkpoint import latest_checkpoint, load_checkpoint
+from memfit.train.distributed import dist_info
+from memfit.train.loop import Trainer, WarmupCosine, step_generator
+from memfit.train.settings import TrainParser
 
 from gpt2_window.config import ATTN_IMPLS, SETTINGS, GPTConfig, get_config
 from gpt2_window.data import TokenData, load_data

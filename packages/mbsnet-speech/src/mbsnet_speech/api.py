@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memfit.distributed import resolve_device
+from memfit.train.distributed import resolve_device
 
 from mbsnet_speech.model import MBSNet
 

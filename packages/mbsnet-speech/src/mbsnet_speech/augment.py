@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from memfit.config import check_fields
+from memfit.train.config import check_fields
 from scipy.signal import fftconvolve
 
 SAMPLE_RATE = 16_000

@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
-from memfit import config
-from memfit.config import check_fields
-from memfit.settings import LoopConfig, Settings
+from memfit.train import config
+from memfit.train.config import check_fields
+from memfit.train.settings import LoopConfig, Settings
 
 from mbsnet_speech.augment import Augment
 
@@ -39,7 +39,9 @@ class MBSNetConfig:
     head_hidden: int = 0
     dual_branch: bool = False  # the seed: separate magnitude and phase encoders
     # memory
-    scan: str = "chunked"  # "chunked": memfit.ssm.selective_scan; "materialise": the seed's real_mamba scan
+    scan: str = (
+        "chunked"  # "chunked": memfit.ops.scan.selective_scan; "materialise": the seed's real_mamba scan
+    )
     checkpoint: bool = True  # recompute each encoder layer in backward (keeps only layer inputs)
     pcs: bool = False  # perceptual contrast stretching of the output magnitude (inference only)
     keep_noisy: float = 0.0  # share of the noisy input mixed back into the output (inference only)
@@ -178,7 +180,7 @@ class LossWeights:
 
 
 def get_config(name: str, **overrides: Any) -> MBSNetConfig:
-    """A preset by name with field overrides (memfit.config.get_config)."""
+    """A preset by name with field overrides (memfit.train.config.get_config)."""
     return config.get_config(PRESETS, name, **overrides)
 
 

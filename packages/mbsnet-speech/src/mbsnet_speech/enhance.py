@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 import torch
-from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import Parser, add_threads_arg, apply_threads, check_numbers
-from memfit.outputs import check_outputs
-from memfit.run_dir import resolve_run
+from memfit.train.distributed import resolve_device
+from memfit.train.flags import Parser, add_threads_arg, apply_threads, check_numbers
+from memfit.train.outputs import check_outputs
+from memfit.train.run_dir import resolve_run
 
 from mbsnet_speech.data import AUDIO_EXTS, MIN_SAMPLES, SAMPLE_RATE, conversion_notes, read_blocks
 from mbsnet_speech.model import MBSNet

@@ -15,10 +15,10 @@ import re
 from pathlib import Path
 
 import numpy as np
-from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
-from memfit.run_dir import resolve_run
+from memfit.train.distributed import resolve_device
+from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.train.run_dir import resolve_run
 
 from mbsnet_speech.classical import wiener_enhance
 from mbsnet_speech.data import (

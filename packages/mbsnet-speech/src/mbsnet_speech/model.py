@@ -9,7 +9,7 @@ offset = atan2) -> iSTFT.
 Everything before the heads acts frame by frame except the temporal Mamba, so with a unidirectional
 temporal Mamba the mask and phase of frame t depend on frames <= t only (streamable).
 
-Two scans: "chunked" uses memfit.mamba (memfit.ssm.selective_scan: chunked, recomputed in backward);
+Two scans: "chunked" uses memfit.ops.mamba (memfit.ops.scan.selective_scan: chunked, recomputed in backward);
 "materialise" reproduces the seed's real_mamba scan that builds (B, L, D, N) tensors and loops over L,
 kept as the memory baseline.
 """
@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from memfit.layers import checkpointed
+from memfit.ops.layers import checkpointed
 from torch import nn
 
 from mbsnet_speech.baselines import SeedBiMamba, SeedMamba
@@ -32,15 +32,16 @@ def make_mamba(cfg: MBSNetConfig, bidirectional: bool) -> nn.Module:
     if cfg.scan == "materialise":
         kw = dict(d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand)
         return SeedBiMamba(cfg.channels, **kw) if bidirectional else SeedMamba(cfg.channels, **kw)
-    from memfit.mamba import BiMamba, Mamba
+    from memfit.ops.mamba import BiMamba, Mamba
 
     mcfg = _mamba_config(cfg)
     return BiMamba(mcfg, combine="sum") if bidirectional else Mamba(mcfg)
 
 
 def _mamba_config(cfg: MBSNetConfig):
-    """memfit.mamba.MambaConfig for the config; a fractional expand (1.5) gives d_inner = int(expand * C)."""
-    from memfit.mamba import MambaConfig
+    """memfit.ops.mamba.MambaConfig for the config; a fractional expand (1.5) gives d_inner = int(expand *
+    C)."""
+    from memfit.ops.mamba import MambaConfig
 
     return MambaConfig(d_model=cfg.channels, d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand)
 

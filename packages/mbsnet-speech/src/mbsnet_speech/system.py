@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from memfit.memory import TrainStep
+from memfit.estimate.memory import TrainStep
 from memfit.system import BudgetEntry, Scaling, System
 
 from mbsnet_speech.config import LossWeights, MBSNetConfig, default_config, seed_config, tiny_config

@@ -17,11 +17,11 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import Trainer, WarmupCosine
-from memfit.memory import AMP_DTYPES, TrainStep
-from memfit.settings import TrainParser, TrainRun
+from memfit.estimate.memory import AMP_DTYPES, TrainStep
+from memfit.train.distributed import dist_info
+from memfit.train.loop import Trainer, WarmupCosine
+from memfit.train.settings import TrainParser, TrainRun
 
 from mbsnet_speech.augment import Augment
 from mbsnet_speech.config import SETTINGS, LossWeights, TrainConfig
@@ -52,7 +52,7 @@ SYSTEM_NAME = "mbsnet-speech"
 
 
 def training_step_loss(model: MBSNet, batch) -> torch.Tensor:
-    """Scalar loss for memfit.memory.TrainStep (the default loss weights)."""
+    """Scalar loss for memfit.estimate.memory.TrainStep (the default loss weights)."""
     return enhancement_loss(model, batch)[0]
 
 

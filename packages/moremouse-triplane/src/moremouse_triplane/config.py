@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from memfit import config
-from memfit.config import check_fields
-from memfit.settings import LoopConfig, Settings
+from memfit.train import config
+from memfit.train.config import check_fields
+from memfit.train.settings import LoopConfig, Settings
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class TriplaneConfig:
     # add a projection of the mean image token to every triplane token before the blocks: a direct path
     # from the image to all of the planes (cross-attention alone learns to use the image slowly)
     global_context: bool = False
-    attention: str = "sdpa"  # "sdpa" (memfit.attention) | "naive" (materialised scores, the seed's)
+    attention: str = "sdpa"  # "sdpa" (memfit.ops.attention) | "naive" (materialised scores, the seed's)
     checkpoint: bool = True  # per-block activation checkpointing
     # how the model runs or samples, not what it computes: `train --resume` may change these
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = (

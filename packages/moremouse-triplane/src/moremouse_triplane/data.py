@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from memfit.flags import Parser
+from memfit.train.flags import Parser
 from PIL import Image
 
 from moremouse_triplane.render import intrinsics, look_at, orbit_eye, pixel_rays
@@ -447,7 +447,7 @@ def export_main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", default="val", choices=list(SPLIT_IDS))
     a = p.parse_args(argv)
-    from memfit.flags import check_numbers
+    from memfit.train.flags import check_numbers
 
     check_numbers(a, num_scenes=">=1", image_size=">=1")
     print(

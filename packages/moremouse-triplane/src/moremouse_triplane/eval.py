@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from memfit.distributed import resolve_device
 from memfit.errors import UsageError
-from memfit.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
-from memfit.metrics import psnr_per_image
-from memfit.run_dir import resolve_run
+from memfit.train.distributed import resolve_device
+from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.train.metrics import psnr_per_image
+from memfit.train.run_dir import resolve_run
 from PIL import Image
 
 from moremouse_triplane.data import make_source

@@ -2,16 +2,16 @@
 
 The seed's failure was the self-attention over 3 x 64 x 64 = 12,288 triplane tokens: nn.MultiheadAttention
 materialises a (batch, heads, 12288, 12288) fp32 score matrix, 36 GiB at batch 4 with 16 heads. Here
-self-attention goes through memfit.attention (SDPA / flash: memory linear in tokens); `attention="naive"`
-keeps the materialised path (memfit.attention.attention_ref) as the baseline it is measured against.
+self-attention goes through memfit.ops.attention (SDPA / flash: memory linear in tokens); `attention="naive"`
+keeps the materialised path (memfit.ops.attention.attention_ref) as the baseline it is measured against.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from memfit.attention import attention, attention_ref
-from memfit.layers import CrossAttention, FeedForward, checkpointed
+from memfit.ops.attention import attention, attention_ref
+from memfit.ops.layers import CrossAttention, FeedForward, checkpointed
 from torch import nn
 
 from moremouse_triplane.config import TriplaneConfig

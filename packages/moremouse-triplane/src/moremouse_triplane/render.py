@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from memfit.layers import checkpointed
+from memfit.ops.layers import checkpointed
 from torch import nn
 
 # field(points (B, P, 3)) -> (sigma (B, P), rgb (B, P, 3))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from memfit.memory import TrainStep
+from memfit.estimate.memory import TrainStep
 from memfit.system import BudgetEntry, Scaling, System
 
 from moremouse_triplane.config import TriplaneConfig, get_config

@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from memfit.distributed import dist_info
 from memfit.errors import UsageError
-from memfit.loop import Trainer, WarmupCosine, set_seed, step_generator
-from memfit.memory import AMP_DTYPES
-from memfit.settings import TrainParser
+from memfit.estimate.memory import AMP_DTYPES
+from memfit.train.distributed import dist_info
+from memfit.train.loop import Trainer, WarmupCosine, set_seed, step_generator
+from memfit.train.settings import TrainParser
 
 from moremouse_triplane.config import SETTINGS
 from moremouse_triplane.data import FolderScenes, SyntheticScenes, make_source

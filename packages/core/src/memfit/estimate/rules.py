@@ -26,7 +26,7 @@ make that differ from a real run:
   - the Mamba scan and conv take the kernels the run will have (``CudaExtra``): with the ``cuda`` extra's
     mamba_ssm / causal-conv1d (the default; on a GPU machine, what their probes say) the fused CPU
     kernels' fake ops stand in for them (both save their inputs and recompute); without, the torch-op path
-    a GPU run then takes (``memfit.ssm``'s chunked scan holds several (batch, chunk, N, dim) buffers:
+    a GPU run then takes (``memfit.ops.scan``'s chunked scan holds several (batch, chunk, N, dim) buffers:
     mbsnet-speech's chunked-200f step needs 1.01 GiB instead of 0.43).
 
   Not modelled (the ``--margin`` covers them): cuBLAS/cuDNN workspaces, the allocator's fragmentation and
@@ -186,7 +186,7 @@ CUDA_FP32_OPS = frozenset(
 @dataclasses.dataclass(frozen=True)
 class CudaExtra:
     """Which kernels of the ``cuda`` extra the CUDA run being estimated will use: mamba_ssm's selective
-    scan and causal-conv1d's conv (each only when installed and its probe passes: ``memfit.probes``)."""
+    scan and causal-conv1d's conv (each only when installed and its probe passes: ``memfit.ops.registry``)."""
 
     scan: bool = True
     conv: bool = True

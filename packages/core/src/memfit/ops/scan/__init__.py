@@ -17,7 +17,7 @@ over the groups. ``delta_bias`` is added to delta and ``delta_softplus`` applies
   chunk. Memory O(batch*dim*chunk*N + batch*dim*N*L/chunk). Inside a chunk everything except the
   recurrence itself is one vectorised op over the chunk, and the recurrence is one fused multiply-add per
   step on a contiguous (batch, dim, N) slice. On CUDA with mamba_ssm installed it calls mamba_ssm's kernel.
-  On CPU it runs the same chunked recompute scheme fused in C (_scan_kernel.c, compiled on first use;
+  On CPU it runs the same chunked recompute scheme fused in C (cpu_kernel.c, compiled on first use;
   without a C compiler the torch-op path runs): the state stays in registers (per channel block as N lane
   vectors when the layout is a Mamba block's, else per (batch, dim) sequence as an N-vector), so neither
   direction has chunk buffers, and softplus, D and the gate are fused in too.
@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memfit import _scan_kernel as _K
-from memfit import kernels, probes
+from memfit.estimate import rules as kernels
+from memfit.ops import cpu_kernel as _K
+from memfit.ops import registry as probes
 
 try:  # mamba_ssm's fused CUDA kernel: optional, and its import fails on machines without CUDA.
     from mamba_ssm.ops.selective_scan_interface import selective_scan_fn as _mamba_scan_fn
@@ -540,7 +541,7 @@ class _ChunkedScan(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Fused CPU path: the recurrence in C (_scan_kernel.c), everything around it in torch
+# Fused CPU path: the recurrence in C (cpu_kernel.c), everything around it in torch
 # ----------------------------------------------------------------------------------------------------
 # The torch-op path above streams (batch, T, N, dim) chunk buffers through ~25 elementwise ops per
 # chunk; the C kernel keeps the state in registers instead, so the scan costs about one exp2 and a few
@@ -636,7 +637,7 @@ def cast_bdl(x: torch.Tensor | None, cd: torch.dtype) -> torch.Tensor | None:
     return x.to(cd)
 
 
-# Bits telling the kernel which per-step tensors it reads or writes as bf16 (BF_* in _scan_kernel.c).
+# Bits telling the kernel which per-step tensors it reads or writes as bf16 (BF_* in cpu_kernel.c).
 _BF_U, _BF_DELTA, _BF_Z, _BF_DOUT, _BF_Y, _BF_DU, _BF_DDELTA, _BF_DZ = (1 << i for i in range(8))
 
 
@@ -847,7 +848,7 @@ def _use_fused_cpu(u: torch.Tensor, N: int) -> bool:
     estimates) take the same path: the ops' fake implementations make the outputs the kernel makes, so an
     estimate equals the measured CPU step (a CUDA run without mamba_ssm takes the torch-op path, which
     also holds about four (batch, chunk, N, dim) buffers, which a CUDA estimate for a GPU without mamba_ssm
-    traces: ``memfit.kernels.cuda_target_lacks``)."""
+    traces: ``memfit.estimate.rules.cuda_target_lacks``)."""
     if u.device.type != "cpu" or kernels.cuda_target_lacks("scan"):
         return False
     return N <= _K.NMAX and _K.available()
@@ -873,7 +874,7 @@ def selective_scan(
     Same arguments and result as mamba_ssm's ``selective_scan_fn``; ``chunk_size`` steps per chunk bound
     the memory (None: ``auto_chunk_size``, or FUSED_CHUNK for the fused CPU kernel). ``use_kernels``: on
     CUDA mamba_ssm's kernel when installed, its probe passed and it takes these inputs
-    (``memfit.probes``); on CPU the fused C kernel (_scan_kernel.c, built on first use when a C compiler
+    (``memfit.ops.registry``); on CPU the fused C kernel (cpu_kernel.c, built on first use when a C compiler
     is there); False keeps both out (the torch-op path). Unlike mamba_ssm's, the gradient of
     ``last_state`` propagates: on CUDA a call whose last state needs a gradient takes the torch-op path.
     """
@@ -882,7 +883,9 @@ def selective_scan(
     ):
         raise ValueError(f"selective_scan: chunk_size must be a positive int or None, got {chunk_size!r}")
     batch, dim, L, N = _check_args(u, delta, A, B, C, D, z, delta_bias)
-    if use_kernels and probes.is_cuda(u):  # mamba_ssm's kernel when it takes these inputs (memfit.probes)
+    if use_kernels and probes.is_cuda(
+        u
+    ):  # mamba_ssm's kernel when it takes these inputs (memfit.ops.registry)
         if probes.use_scan(_mamba_scan_fn, u, delta, A, B, C, D, z, delta_bias, return_last_state):
             return _mamba_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
     elif use_kernels and _use_fused_cpu(u, N):

@@ -1,4 +1,4 @@
-/* The selective scan and the conv for one dtype: _scan_kernel.c includes this file once for fp32 and once
+/* The selective scan and the conv for one dtype: cpu_kernel.c includes this file once for fp32 and once
  * for fp64, with REAL (the scalar type), SFX (f32 / f64: the suffix of every function here), VEC and V
  * (the lane vector and its lane count) and SPECIALIZE (whether the hot loops are also compiled for the
  * constant N and bf16 masks a Mamba block uses) defined. Every function name below is an alias for its

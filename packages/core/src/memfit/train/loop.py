@@ -34,7 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memfit.checkpoint import (
+from memfit.errors import UsageError, first_line, os_error_message, out_of_memory
+from memfit.estimate.memory import AMP_DTYPES, MIB, PeakMemory, training_state_tensors
+from memfit.estimate.preflight import MemoryStep, preflight
+from memfit.train.checkpoint import (
     BEST_NAME,
     CHECKPOINT_FORMAT,
     RESUME_KEYS,
@@ -46,15 +49,12 @@ from memfit.checkpoint import (
     save_checkpoint,
     write_atomic,
 )
-from memfit.config import config_dict, config_difference
-from memfit.cpu import keep_freed_memory, set_threads
-from memfit.distributed import init_distributed, leave_distributed, resolve_device
-from memfit.errors import UsageError, first_line, os_error_message, out_of_memory
-from memfit.memory import AMP_DTYPES, MIB, PeakMemory, training_state_tensors
-from memfit.metrics_log import MetricsLog
-from memfit.preflight import MemoryStep, preflight
-from memfit.run_dir import RunFolder
-from memfit.settings import LoopConfig, Settings, tree_dict, write_run_config
+from memfit.train.config import config_dict, config_difference
+from memfit.train.cpu import keep_freed_memory, set_threads
+from memfit.train.distributed import init_distributed, leave_distributed, resolve_device
+from memfit.train.metrics_log import MetricsLog
+from memfit.train.run_dir import RunFolder
+from memfit.train.settings import LoopConfig, Settings, tree_dict, write_run_config
 
 
 def set_seed(seed: int) -> None:
@@ -189,7 +189,8 @@ class Trainer:
     run_dir: str | Path | None = None
     resume: bool = False
     overwrite: bool = False
-    # (batch size, checkpointing) -> the step as memfit.memory.TrainStep, and the batch size the run uses:
+    # (batch size, checkpointing) -> the step as memfit.estimate.memory.TrainStep, and the batch size the
+    # run uses:
     # the memory pre-flight estimates it and refuses a run that will not fit (cfg.preflight)
     memory_step: MemoryStep | None = None
     batch_size: int | None = None
@@ -207,7 +208,7 @@ class Trainer:
             set_threads(self.cfg.threads)
         if self.device.type == "cpu":
             # reuse freed activation blocks instead of page-faulting them in every step (process-wide and
-            # for good: memfit.cpu; MEMFIT_KEEP_FREED=0 leaves malloc alone)
+            # for good: memfit.train.cpu; MEMFIT_KEEP_FREED=0 leaves malloc alone)
             keep_freed_memory()
         self.dist = init_distributed(self.device)
         if self.cfg.preflight and self.memory_step is not None and self.batch_size is not None:

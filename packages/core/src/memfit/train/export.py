@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from memfit.checkpoint import CHECKPOINT_FORMAT, write_text_atomic
-from memfit.config import from_dict, with_overrides
 from memfit.errors import UsageError, first_line
-from memfit.outputs import check_outputs
+from memfit.train.checkpoint import CHECKPOINT_FORMAT, write_text_atomic
+from memfit.train.config import from_dict, with_overrides
+from memfit.train.outputs import check_outputs
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -63,7 +63,7 @@ def _evaluations(run_dir: Path) -> dict[str, dict[str, float]]:
 def _validation(run_dir: Path, step: Any) -> dict[str, float]:
     """The eval/* figures that the run logged at `step` (run_dir/metrics.jsonl; its last such row), so a
     card can say what a compound choice metric stood for."""
-    from memfit.plot import read_metrics
+    from memfit.train.plot import read_metrics
 
     found: dict[str, float] = {}
     if step is None:  # a run with no best step: nothing to name

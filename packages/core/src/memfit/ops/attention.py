@@ -5,7 +5,7 @@
 sliding window: query i sees keys i-w+1 .. i. Paths, in order:
 
 1. ``flash`` - flash-attn's ``flash_attn_func`` with ``window_size=(w-1, 0)``: CUDA, installed, its probe
-   passed, and the inputs meet its preconditions (sm80+, fp16/bf16, head dim <= 256; memfit.probes).
+   passed, and the inputs meet its preconditions (sm80+, fp16/bf16, head dim <= 256; memfit.ops.registry).
 2. ``sdpa`` - no window, or a window that covers the whole sequence (Lq <= w): ``is_causal``, never a
    dense mask. Cross-attention (Lq != Lk) without a window also lands here.
 3. ``flex`` - FlexAttention on CUDA with a block mask from ONE bounded LRU cache keyed by
@@ -35,7 +35,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from memfit import probes
+from memfit.ops import registry as probes
 
 BACKENDS = ("auto", "flash", "sdpa", "flex", "blocks", "band", "ref")
 

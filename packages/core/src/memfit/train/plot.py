@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 
 from memfit.errors import UsageError
-from memfit.outputs import check_outputs
-from memfit.run_dir import METRICS_NAME
+from memfit.train.outputs import check_outputs
+from memfit.train.run_dir import METRICS_NAME
 
 
 def read_metrics(run: Path) -> list[dict]:

@@ -1,6 +1,7 @@
 """Command-line pieces every command shares: the parser with one-line errors and the `eval` flags.
 
-A system's `train` flags are declared with ``memfit.settings.TrainParser`` (each bound to a settings path).
+A system's `train` flags are declared with ``memfit.train.settings.TrainParser`` (each bound to a settings
+path).
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from memfit.config import check_fields
 from memfit.errors import UsageError, os_error_message
+from memfit.train.config import check_fields
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,11 +36,11 @@ def add_threads_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -
 
 
 def apply_threads(args: argparse.Namespace) -> None:
-    """Cap every thread pool at args.threads when --threads was given (>= 1; memfit.cpu.set_threads)."""
+    """Cap every thread pool at args.threads when --threads was given (>= 1; memfit.train.cpu.set_threads)."""
     threads = getattr(args, "threads", None)
     if threads is not None:
         check_numbers(args, threads=">=1")
-        from memfit.cpu import set_threads
+        from memfit.train.cpu import set_threads
 
         set_threads(threads)
 
@@ -69,7 +70,7 @@ def eval_out_dir(args: argparse.Namespace, run_path: Path, inputs: tuple = ()) -
     """--out, or <run folder>/eval (the run's own: a new eval replaces its files); created here so an
     unwritable location fails before the work. --out may not lie inside an input (`inputs`, e.g. --data),
     and a non-empty --out needs --overwrite."""
-    from memfit.outputs import check_outputs
+    from memfit.train.outputs import check_outputs
 
     out = Path(args.out) if args.out else (run_path if run_path.is_dir() else run_path.parent) / "eval"
     check_outputs([out], [p for p in inputs if p], overwrite=True)
@@ -92,7 +93,8 @@ def hidden_alias(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *nam
 def check_numbers(args: argparse.Namespace, **rules: str) -> None:
     """Refuse bad numbers in one line, e.g. check_numbers(args, seconds=">0", pairs=">=1").
 
-    Rules as memfit.config.check_fields: ">0", ">=0", ">=1"; None is skipped; NaN and infinity are refused.
+    Rules as memfit.train.config.check_fields: ">0", ">=0", ">=1"; None is skipped; NaN and infinity are
+    refused.
     """
     try:
         check_fields(args, **rules)

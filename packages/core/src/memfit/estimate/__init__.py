@@ -1,16 +1,17 @@
 """`memfit estimate`: any PyTorch model's training-step memory, explained, in seconds, without a GPU.
 
-One traced step (``memfit.trace``: every storage with its op, module, shape, dtype, saved-ness and
+One traced step (``memfit.estimate.trace``: every storage with its op, module, shape, dtype, saved-ness and
 lifetime) gives:
 
 - the peak and its split into params / grads / optimizer / activations;
 - the tensors alive at the peak, grouped across repeated layers (``decoder.layers.*.attn``) by op, shape
   and dtype, largest first;
 - the module tree with each module's share of the activations alive at the peak;
-- what-ifs, the scaling exponent, the largest batch for a GPU and the per-rank figure (``memfit.explain``).
+- what-ifs, the scaling exponent, the largest batch for a GPU and the per-rank figure
+(``memfit.estimate.explain``).
 
 ``--device cuda`` (the default whenever ``--gpu_gib`` is given) estimates what a CUDA run keeps
-(``memfit.kernels``). The same result is the Python API: ``memfit.estimate(model_or_factory, inputs)``
+(``memfit.estimate.rules``). The same result is the Python API: ``memfit.estimate(model_or_factory, inputs)``
 (this module is callable) returns an ``EstimateResult`` whose ``to_dict()`` is the ``--json`` object.
 """
 
@@ -28,10 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit import explain, kernels, probes
 from memfit.errors import UsageError, run_command
-from memfit.memory import GIB
-from memfit.trace import (  # noqa: F401 - re-exported: the names `memfit.estimate` has always had
+from memfit.estimate import explain
+from memfit.estimate import rules as kernels
+from memfit.estimate.memory import GIB
+from memfit.estimate.trace import (  # noqa: F401 - re-exported: the names `memfit.estimate` has always had
     BORN,
     CAT,
     DTYPE_NAMES,
@@ -58,6 +60,7 @@ from memfit.trace import (  # noqa: F401 - re-exported: the names `memfit.estima
     trace_step,
     trace_target,
 )
+from memfit.ops import registry as probes
 
 # ----------------------------------------------------------------------------------------------------
 # Output

@@ -2,7 +2,7 @@
 
 It reports the GPU (name, compute capability, memory), each kernel of the ``cuda`` extra (installed
 version, and on a GPU the result of its probe: one tiny call compared with the PyTorch path, see
-memfit.probes), which path the Mamba scan and conv and windowed attention take on CUDA and on the CPU,
+memfit.ops.registry), which path the Mamba scan and conv and windowed attention take on CUDA and on the CPU,
 and the C compiler of the CPU scan kernel. ``--require-cuda`` exits 2 with one line unless CUDA is
 available and every kernel of the extra passes its probe (the GPU CI job's first step).
 """
@@ -16,10 +16,10 @@ import os
 
 import torch
 
-from memfit import probes
 from memfit.errors import UsageError, first_line
+from memfit.ops import registry as probes
 
-# kernel -> (distribution, module, function): the imports memfit.ssm / mamba / attention make
+# kernel -> (distribution, module, function): the imports memfit.ops.scan / mamba / attention make
 EXTRA = {
     "selective_scan": ("mamba-ssm", "mamba_ssm.ops.selective_scan_interface", "selective_scan_fn"),
     "causal_conv1d": ("causal-conv1d", "causal_conv1d", "causal_conv1d_fn"),
@@ -84,7 +84,7 @@ def kernel_status(kernel: str, device: torch.device | None) -> KernelStatus:
 
 def cpu_scan() -> str:
     """Which path the CPU scan and conv take, and why."""
-    from memfit import _scan_kernel as K
+    from memfit.ops import cpu_kernel as K
 
     if os.environ.get("MEMFIT_SCAN_KERNEL", "1") == "0":
         return "torch-op path (MEMFIT_SCAN_KERNEL=0)"
@@ -93,7 +93,7 @@ def cpu_scan() -> str:
         return "torch-op path (no C compiler: install gcc or set CC for the fused kernel, several x faster)"
     if K.library() is None:
         return f"torch-op path (building the fused kernel with {cc} failed; see the warning above)"
-    return f"fused C kernel (_scan_kernel.c, built with {cc})"
+    return f"fused C kernel (cpu_kernel.c, built with {cc})"
 
 
 def _describe(st: KernelStatus) -> str:

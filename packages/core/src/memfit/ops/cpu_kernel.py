@@ -1,4 +1,4 @@
-"""Builds and loads _scan_kernel.c (Mamba-1's fused CPU kernels: the selective scan, the conv) on first use.
+"""Builds and loads cpu_kernel.c (Mamba-1's fused CPU kernels: the selective scan, the conv) on first use.
 
 The C file needs nothing but a C compiler (``cc``/``gcc``/``clang``, or ``$CC``) and pthreads: no torch
 headers, no ninja. It is compiled once per source/flags/CPU into ``$MEMFIT_CACHE`` (default
@@ -6,7 +6,7 @@ headers, no ninja. It is compiled once per source/flags/CPU into ``$MEMFIT_CACHE
 kernel splits its work items ((batch, dim) sequences, or (batch, block of channels) on its channel-lane
 path) over ``torch.get_num_threads()`` pthreads.
 
-``library()`` returns None (and memfit.ssm uses its torch-op path) when there is no compiler, the build
+``library()`` returns None (and memfit.ops.scan uses its torch-op path) when there is no compiler, the build
 fails, the platform is not POSIX, or ``MEMFIT_SCAN_KERNEL=0``. The first failure is reported once as a
 warning.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("_scan_kernel.c")
-SOURCES = (SOURCE, SOURCE.with_name("_scan_kernel_body.h"))  # the .c includes the body once per dtype
+SOURCE = Path(__file__).with_name("cpu_kernel.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_kernel_body.h"))  # the .c includes the body once per dtype
 NMAX = 64  # the largest state size N the kernel takes (NMAX in the C file)
 # no -ffast-math: with gcc < 13 it links crtfastmath.o into the shared object, which would switch the
 # whole process to flush-denormals-to-zero; these four flags are the part the reductions over N need.
@@ -132,7 +132,7 @@ def library() -> ctypes.CDLL | None:
     abi = (ctypes.c_int64 * 6)()
     lib.scan_abi(abi)
     if list(abi) != _abi():  # a field added on one side only: refuse rather than corrupt memory
-        raise RuntimeError(f"memfit: _scan_kernel.c's argument structs {list(abi)} != the mirror's {_abi()}")
+        raise RuntimeError(f"memfit: cpu_kernel.c's argument structs {list(abi)} != the mirror's {_abi()}")
     for sfx in ("f32", "f64"):
         for name, struct in (("scan_fwd", ScanArgs), ("scan_bwd", ScanArgs), ("conv_fwd", ConvArgs),
                              ("conv_bwd", ConvArgs)):  # fmt: skip

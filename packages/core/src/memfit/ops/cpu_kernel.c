@@ -1,6 +1,6 @@
-/* Mamba-1's CPU kernels, fused: the selective scan (memfit.ssm.selective_scan) and, at the end of the
- * file, the block's depthwise causal conv1d + SiLU (memfit.mamba). memfit/_scan_kernel.py compiles this
- * file on first use and memfit.ssm falls back to its torch-op path when there is no C compiler.
+/* Mamba-1's CPU kernels, fused: the selective scan (memfit.ops.scan.selective_scan) and, at the end of the
+ * file, the block's depthwise causal conv1d + SiLU (memfit.ops.mamba). memfit/ops/cpu_kernel.py compiles this
+ * file on first use and memfit.ops.scan falls back to its torch-op path when there is no C compiler.
  *
  *   dt_t = softplus(delta_t + bias)                       (softplus when asked)
  *   h_t  = exp(dt_t * A) * h_{t-1} + dt_t * u_t * B_t     (per batch b, channel d: a vector over N)
@@ -34,7 +34,7 @@ typedef int64_t i64;
  * keeps some lane helpers (lgather, vexp2) as calls inside the per-step loop. */
 #define INLINE static inline __attribute__((always_inline))
 
-#define NMAX 64 /* largest state size N the kernel takes (memfit.ssm checks) */
+#define NMAX 64 /* largest state size N the kernel takes (memfit.ops.scan checks) */
 
 /* fp32 lanes: 2^x as 2^k * 2^f, k = round(x), |f| <= 1/2, 2^f by its degree-7 Taylor polynomial in
  * f*ln2 (relative error < 1e-8 before rounding). Branch-free, so loops over N or over a chunk vectorise. */
@@ -318,7 +318,7 @@ typedef struct {
 
 INLINE i64 at(Strides s, i64 b, i64 d, i64 t) { return b * s.b + d * s.d + t * s.t; }
 
-/* The arguments of scan_fwd_* and scan_bwd_*, mirrored field by field by memfit._scan_kernel.ScanArgs
+/* The arguments of scan_fwd_* and scan_bwd_*, mirrored field by field by memfit.ops.cpu_kernel.ScanArgs
  * (scan_abi() lets it check the layout). Data pointers are REAL (fp32 or fp64 by the function's suffix),
  * or bf16 where bfm says so; NULL marks an absent optional tensor.
  *   forward reads delta, bias, u, z, D, A2, B, C and writes y, starts, last;
@@ -338,7 +338,7 @@ typedef struct {
     Strides sdl, su, sz, sy, sdo, sdu, sdd, sdz, sB, sC, pB, pC;
 } ScanArgs;
 
-/* The arguments of conv_fwd_* and conv_bwd_*, mirrored by memfit._scan_kernel.ConvArgs. x[b, t, d] at
+/* The arguments of conv_fwd_* and conv_bwd_*, mirrored by memfit.ops.cpu_kernel.ConvArgs. x[b, t, d] at
  * b * sx_b + t * sx_t + d; w (K, dim) contiguous (the conv's (dim, 1, K) transposed); bias (dim) or NULL;
  * forward writes u (batch, L, dim) contiguous, u[t, d] = silu(bias[d] + sum_k w[k, d] x[t - K + 1 + k, d])
  * (x is zero before t = 0); backward reads gu (batch, L, dim) contiguous, writes gx (batch, L, dim)
@@ -350,7 +350,7 @@ typedef struct {
     void *u, *gx, *gw, *gb;
 } ConvArgs;
 
-/* sizes and a few field offsets of the two structs, for memfit._scan_kernel to check its mirror */
+/* sizes and a few field offsets of the two structs, for memfit.ops.cpu_kernel to check its mirror */
 void scan_abi(i64 *out) {
     out[0] = sizeof(ScanArgs), out[1] = offsetof(ScanArgs, delta), out[2] = offsetof(ScanArgs, y);
     out[3] = offsetof(ScanArgs, sdl), out[4] = sizeof(ConvArgs), out[5] = offsetof(ConvArgs, x);
@@ -361,7 +361,7 @@ void scan_abi(i64 *out) {
 #define VEC vf32
 #define V LANES32
 #define SPECIALIZE 1
-#include "_scan_kernel_body.h"
+#include "cpu_kernel_body.h"
 #undef REAL
 #undef SFX
 #undef VEC
@@ -374,4 +374,4 @@ void scan_abi(i64 *out) {
 #define VEC vf64
 #define V LANES64
 #define SPECIALIZE 0
-#include "_scan_kernel_body.h"
+#include "cpu_kernel_body.h"

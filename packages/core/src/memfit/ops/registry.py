@@ -1,8 +1,8 @@
 """Whether each optional CUDA kernel may run on these inputs, and which path actually ran.
 
-Three kernels are optional (the ``cuda`` extra): mamba_ssm's ``selective_scan_fn`` (memfit.ssm),
-causal-conv1d's ``causal_conv1d_fn`` (memfit.mamba) and flash-attn's ``flash_attn_func``
-(memfit.attention). Importing one proves little: a wheel built for another GPU generation, a newer
+Three kernels are optional (the ``cuda`` extra): mamba_ssm's ``selective_scan_fn`` (memfit.ops.scan),
+causal-conv1d's ``causal_conv1d_fn`` (memfit.ops.mamba) and flash-attn's ``flash_attn_func``
+(memfit.ops.attention). Importing one proves little: a wheel built for another GPU generation, a newer
 mamba_ssm that imports without its compiled extension, or a driver mismatch all import and then fail at
 the first call. So a kernel is used only when
 
@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from memfit.kernels import CudaExtra
+from memfit.estimate.rules import CudaExtra
 
 KERNELS = {
     "selective_scan": "mamba_ssm selective_scan_fn",
@@ -227,7 +227,7 @@ def _compare(got: torch.Tensor, want: torch.Tensor, tol: float) -> ProbeResult:
 
 
 def _probe_scan(fn: Callable, device: torch.device) -> ProbeResult:
-    from memfit.ssm import selective_scan_ref
+    from memfit.ops.scan import selective_scan_ref
 
     g = _gen(device)
     batch, dim, L, N = 2, 8, 37, 4
@@ -266,7 +266,7 @@ def _probe_conv(fn: Callable, device: torch.device) -> ProbeResult:
 
 
 def _probe_flash(fn: Callable, device: torch.device) -> ProbeResult:
-    from memfit.attention import attention_ref
+    from memfit.ops.attention import attention_ref
 
     g = _gen(device)
     batch, L, heads, hd, window = 2, 40, 2, 64, 8
@@ -360,8 +360,9 @@ def flash_ok(fn, q, k, v) -> bool:
 
 def cuda_extra(device=None) -> CudaExtra:
     """The ``cuda`` extra's Mamba kernels a run on this CUDA device uses (each installed and its probe
-    passed): what its memory pre-flight estimates with (``memfit.kernels.CudaExtra``)."""
-    from memfit import mamba, ssm
+    passed): what its memory pre-flight estimates with (``memfit.estimate.rules.CudaExtra``)."""
+    from memfit.ops import mamba
+    from memfit.ops import scan as ssm
 
     device = torch.device("cuda") if device is None else torch.device(device)
     return CudaExtra(

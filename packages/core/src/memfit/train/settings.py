@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from memfit.config import check_fields
 from memfit.errors import UsageError, os_error_message
-from memfit.flags import Parser
+from memfit.train.config import check_fields
+from memfit.train.flags import Parser
 
 CONFIG_NAME = "config.json"  # the settings a run was started with, in its run folder
 SETTINGS_FORMAT = 1
@@ -63,7 +63,8 @@ class LoopConfig:
     # Exponential moving average of the weights (decay per step, warmed up as min(ema, (1 + n) / (10 + n))
     # after n steps; 0: off). Validation scores the average, best.pt and every checkpoint carry it.
     ema: float = 0.0
-    # Estimate the step's memory before the first step and refuse a run that will not fit (memfit.preflight)
+    # Estimate the step's memory before the first step and refuse a run that will not fit
+    # (memfit.estimate.preflight)
     preflight: bool = True
 
     def __post_init__(self) -> None:
@@ -226,8 +227,8 @@ def write_run_config(
 ) -> Path:
     """run_dir/config.json: what `--config FILE` reads back ({format, system, preset, config, train,
     loop}; "config" is the model config exactly as checkpoints store it)."""
-    from memfit.checkpoint import write_text_atomic
-    from memfit.config import config_dict
+    from memfit.train.checkpoint import write_text_atomic
+    from memfit.train.config import config_dict
 
     doc = {
         "format": SETTINGS_FORMAT,
@@ -457,7 +458,7 @@ class TrainParser:
     def _preset_trees(self) -> dict[str, Settings]:
         """Every preset's tree on this machine's device (built once: --help's defaults, flag types)."""
         if self._help_presets is None:
-            from memfit.distributed import resolve_device
+            from memfit.train.distributed import resolve_device
 
             device = resolve_device("auto")
             self._help_presets = {name: fn(device) for name, fn in self.presets.items()}
@@ -500,7 +501,7 @@ class TrainParser:
     def parse(self, argv: list[str] | None = None) -> TrainRun:
         """The run's settings: preset <- file <- flags (one line, exit 2, for anything bad). Also caps the
         thread pools at loop.threads, so data preparation runs on the same threads as training."""
-        from memfit.distributed import dist_info, resolve_device
+        from memfit.train.distributed import dist_info, resolve_device
 
         if not self._loop_added:  # last, so --help lists a system's own flags first
             self._loop_flags()
@@ -564,7 +565,7 @@ class TrainParser:
         if args.resume and args.overwrite:
             raise UsageError("error: --resume and --overwrite contradict each other; pick one")
         if tree.loop.threads is not None:  # before data and model are built, not only once training starts
-            from memfit.cpu import set_threads
+            from memfit.train.cpu import set_threads
 
             set_threads(tree.loop.threads)
         return TrainRun(

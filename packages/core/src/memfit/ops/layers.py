@@ -1,5 +1,5 @@
 """Shared layers: activation checkpointing (`checkpointed`), PreNorm, GEGLU FeedForward,
-CrossAttention (through memfit.attention), FourierFeatures."""
+CrossAttention (through memfit.ops.attention), FourierFeatures."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from memfit.attention import attention
+from memfit.ops.attention import attention
 
 
 def checkpointed(fn: Callable[..., Any], *args: Any, enabled: bool = True, **kwargs: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memfit.memory import GIB, estimate_training_step
+from memfit.estimate.memory import GIB, estimate_training_step
 
 
 @dataclass
@@ -70,7 +70,7 @@ def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch:
 def fit_system(system: str, gpu_gib: float, max_batch: int = 4096, variants: list[str] | None = None):
     """For every budgeted variant of `system` that can be rebuilt at other batch sizes: the largest batch
     without checkpointing and, when checkpointing helps, with it; estimated for a CUDA run (its attention
-    kernels, autocast policy and allocator rounding: memfit.kernels), since the memory is a GPU's."""
+    kernels, autocast policy and allocator rounding: memfit.estimate.rules), since the memory is a GPU's."""
     from memfit.system import load_system
 
     results = []

@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-from memfit.checkpoint import BEST_NAME, list_checkpoints
 from memfit.errors import UsageError, os_error_message
+from memfit.train.checkpoint import BEST_NAME, list_checkpoints
 
 LOCK_NAME = ".lock"
 STALE_TEMP = re.compile(r"^\..+\.tmp(\d+)$")  # checkpoint.write_atomic's temp file, named by its pid

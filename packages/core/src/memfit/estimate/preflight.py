@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from memfit import kernels, probes
 from memfit.errors import UsageError, first_line
-from memfit.memory import GIB, TrainStep, estimate_training_step
+from memfit.estimate import rules as kernels
+from memfit.estimate.memory import GIB, TrainStep, estimate_training_step
+from memfit.ops import registry as probes
 
 # What the process needs per byte of tensors the estimate counts. On the CPU a step's peak RSS grew by
 # 1.1-1.5x its tensors with malloc's defaults and 1.3-1.9x with the Trainer's keep_freed_memory (heap

@@ -1,4 +1,4 @@
-"""Mamba-1 block (Gu & Dao, 2023) on ``memfit.ssm.selective_scan``, and a bidirectional wrapper.
+"""Mamba-1 block (Gu & Dao, 2023) on ``memfit.ops.scan.selective_scan``, and a bidirectional wrapper.
 
 ``Mamba`` follows mamba_ssm's ``Mamba`` (mamba_simple.py) layer for layer, so parameter names, shapes
 and initialisation match: in_proj -> depthwise causal conv1d + SiLU -> x_proj (dt, B, C) -> dt_proj
@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit import _scan_kernel as _K
-from memfit import kernels, probes, ssm
+from memfit.estimate import rules as kernels
+from memfit.ops import cpu_kernel as _K
+from memfit.ops import registry as probes
+from memfit.ops import scan as ssm
 
 try:  # causal-conv1d's CUDA kernel: optional, its import fails without CUDA.
     from causal_conv1d import causal_conv1d_fn as _causal_conv1d_fn
@@ -39,7 +41,7 @@ class MambaConfig:
     dt_init_floor: float = 1e-4
     bias: bool = False
     conv_bias: bool = True
-    chunk_size: int | None = None  # scan chunk length; None: memfit.ssm.auto_chunk_size
+    chunk_size: int | None = None  # scan chunk length; None: memfit.ops.scan.auto_chunk_size
     use_kernels: bool = True  # mamba_ssm / causal-conv1d CUDA kernels when importable and on CUDA
 
     @property
@@ -65,15 +67,16 @@ class MambaConfig:
 
 
 def _fused_cpu(x: torch.Tensor) -> bool:
-    """CPU tensors with the fused kernels built (memfit/_scan_kernel.c). Fake tensors (memory estimates)
+    """CPU tensors with the fused kernels built (memfit/cpu_kernel.c). Fake tensors (memory estimates)
     take it too: the conv ops' fake implementations make the outputs the kernel makes (and stand in for
-    causal-conv1d's, except in a CUDA estimate for a GPU without it: ``memfit.kernels.cuda_target_lacks``)."""
+    causal-conv1d's, except in a CUDA estimate for a GPU without it:
+    ``memfit.estimate.rules.cuda_target_lacks``)."""
     return x.device.type == "cpu" and not kernels.cuda_target_lacks("conv") and _K.available()
 
 
 # The fused depthwise causal conv1d + SiLU as torch ops, memfit::conv_fwd and memfit::conv_bwd, on the
 # tensors as the kernel reads them (x channels last in the compute dtype, the weight as (k, d)), with fake
-# implementations making the same outputs, and _ConvSiLU around them as memfit.ssm's _FusedScan is around
+# implementations making the same outputs, and _ConvSiLU around them as memfit.ops.scan's _FusedScan is around
 # the scan's ops (casts as torch ops, the block's own tensors saved for backward).
 
 
@@ -211,7 +214,9 @@ class Mamba(nn.Module):
 
     def _conv(self, x: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv + SiLU: x (batch, d_inner, L)."""
-        if self.config.use_kernels and probes.is_cuda(x):  # causal-conv1d when it takes x (memfit.probes)
+        if self.config.use_kernels and probes.is_cuda(
+            x
+        ):  # causal-conv1d when it takes x (memfit.ops.registry)
             w = self.conv1d.weight.squeeze(1)
             if probes.use_conv(_causal_conv1d_fn, x, w, self.conv1d.bias):
                 return _causal_conv1d_fn(probes.conv_layout(x), w, self.conv1d.bias, activation="silu")

@@ -36,9 +36,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memfit.errors import UsageError
-from memfit.fit import largest_batch
-from memfit.memory import GIB, TrainStep
-from memfit.trace import (
+from memfit.estimate.fit import largest_batch
+from memfit.estimate.memory import GIB, TrainStep
+from memfit.estimate.trace import (
     BORN,
     CAT,
     FREED,
@@ -108,7 +108,7 @@ def block_param_bytes(step: TrainStep) -> tuple[int, int]:
         with torch.device("meta"):
             model = step.build_model()
     except Exception:  # a model that cannot be built on meta: look for blocks under fake tensors instead
-        from memfit.memory import fake_mode
+        from memfit.estimate.memory import fake_mode
 
         with fake_mode():
             model = step.build_model()
@@ -430,7 +430,7 @@ def _rank_worker(rank, ranks, port, spec, inputs, loss_target, shard, queue) -> 
     import torch.distributed as dist
 
     from memfit.estimate import load_target
-    from memfit.memory import measure_training_step
+    from memfit.estimate.memory import measure_training_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

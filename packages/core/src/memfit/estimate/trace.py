@@ -1,14 +1,17 @@
 """The traced step behind `memfit estimate`: what a target is, and every storage its step allocates.
 
-The step runs under ``FakeTensorMode`` (see ``memfit.memory.estimate_training_step``) with a richer tracker
+The step runs under ``FakeTensorMode`` (see ``memfit.estimate.memory.estimate_training_step``) with a
+richer tracker
 that records, for every storage the step allocates: the aten op that made it, the module whose forward was
 running (forward pre/post hooks on every named module), its shape and dtype, whether autograd saved it for
 backward (``torch.autograd.graph.saved_tensors_hooks``), and when it was born and freed (a sequence number
-per allocation and free). ``memfit.explain`` replays that timeline for its what-ifs and ``memfit.estimate``
+per allocation and free). ``memfit.estimate.explain`` replays that timeline for its what-ifs and
+``memfit.estimate``
 prints it; both import this module, never each other's.
 
 TARGET is ``path/to/file.py:func`` or ``package.module:func``. ``func()`` returns a
-``memfit.memory.TrainStep`` (integer keyword arguments such as ``batch`` become knobs for ``--gpu_gib``
+``memfit.estimate.memory.TrainStep`` (integer keyword arguments such as ``batch`` become knobs for
+``--gpu_gib``
 and ``--scale``), or, with ``--input``, ``func`` is a module factory fed fake inputs of those shapes
 (see ``factory_step``).
 """
@@ -32,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import UsageError, first_line
-from memfit.memory import (
+from memfit.estimate.memory import (
     _QUERIES,
     AMP_DTYPES,
     CATEGORIES,
@@ -596,7 +599,9 @@ def make_target(
     def make_step(k: dict[str, int]) -> TrainStep:
         step = _call(fn, spec, **k)
         if not isinstance(step, TrainStep):
-            raise UsageError(f"error: {spec}() returned {type(step).__name__}, not a memfit.memory.TrainStep")
+            raise UsageError(
+                f"error: {spec}() returned {type(step).__name__}, not a memfit.estimate.memory.TrainStep"
+            )
         return step
 
     amp_name = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(probe.amp_dtype, "?")
