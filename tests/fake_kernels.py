@@ -20,3 +20,49 @@ def fake_conv(x, weight, bias=None, activation=None):
 def fake_flash(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     return A.attention_ref(q, k, v, window=window_size[0] + 1, scale=softmax_scale).transpose(1, 2)
+
+
+# The registry's load specs of the CUDA kernels, and adapters from the functions above (the kernels' own
+# signatures) to the registry's calling conventions.
+SPECS = {
+    "mamba_ssm": "memfit.ops.scan.mamba_ssm:selective_scan",
+    "triton": "memfit.ops.scan.triton:selective_scan_triton",
+    "causal_conv1d": "memfit.ops.causal_conv1d:conv_silu",
+    "flash": "memfit.ops.flash_attn:window_attention",
+}
+
+
+def _adapt(name, fn):
+    if fn is None or name == "triton":
+        return fn
+    if name == "mamba_ssm":
+        return lambda u, delta, A_, B, C, D, z, bias, sp, last, chunk: fn(
+            u, delta, A_, B, C, D, z, bias, sp, last
+        )
+    if name == "causal_conv1d":
+        from memfit.ops.conv import conv_layout
+
+        return lambda x, w, b: fn(conv_layout(x), w.squeeze(1), b, activation="silu")
+    return lambda q, k, v, window, scale: fn(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale, causal=True,
+        window_size=(window - 1, 0),
+    ).transpose(1, 2)  # fmt: skip
+
+
+def install(monkeypatch, name, fn):
+    """Make the registry see ``fn`` (a kernel's own signature; None: not installed) as kernel ``name``."""
+    from memfit.ops import registry
+
+    monkeypatch.setitem(registry._loaded, SPECS[name], _adapt(name, fn))
+
+
+def fake_gpu(monkeypatch, cap=(8, 0)):
+    """Real CPU tensors dispatched as CUDA tensors of a GPU of capability ``cap``; no kernel installed."""
+    from memfit.ops import registry
+
+    fake = registry._is_fake
+    monkeypatch.setattr(registry, "device_type", lambda t: "cuda" if not fake(t) else t.device.type)
+    monkeypatch.setattr(registry, "is_cuda", lambda t: not fake(t))
+    monkeypatch.setattr(registry, "capability", lambda device: cap)
+    for name in SPECS:
+        install(monkeypatch, name, None)

@@ -43,7 +43,7 @@ def _check_fit(system, gpu_gib, max_batch, variant):
     from memfit.system import load_system
 
     entry = next(e for e in load_system(system).budgets() if e.variant == variant)
-    results = fit_system(system, gpu_gib, max_batch=max_batch, variants=[variant])
+    results = fit_system(load_system(system).budgets(), gpu_gib, max_batch=max_batch, variants=[variant])
     assert {r.checkpointing for r in results} == {False, True}
     for r in results:
         assert 1 <= r.batch < max_batch

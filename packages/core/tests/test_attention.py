@@ -9,6 +9,7 @@ import memfit.ops.attention as A
 import pytest
 import torch
 from memfit.estimate.memory import fake_mode, measure_peak
+from memfit.ops import registry
 from memfit.ops.attention import attention, attention_ref, band_attention, force_backend
 from torch.nn.attention.flex_attention import create_block_mask
 
@@ -188,10 +189,13 @@ def test_auto_dispatch_on_cpu_window(monkeypatch, L, w, path, fn):
     assert A.select_backend(q, k, v) == "sdpa"
     calls = []
     real = getattr(A, fn)
-    monkeypatch.setattr(A, fn, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setitem(registry._loaded, f"memfit.ops.attention:{fn}",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+    registry.reset()
     got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=w), q, k, v)
     want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=w), q, k, v)
     assert calls, f"auto dispatch did not take the {path} path"
+    assert registry.ran("attention") == {path: 1}
     _assert_close(got, want, atol=1e-5)
 
 

@@ -238,28 +238,22 @@ def _mbsnet_chunked_200f():
     return entry
 
 
-def _cuda_peak(step, extra=None):
-    from memfit.estimate.rules import assume_cuda_extra
+def _cuda_peak(step, kernels_=None):
+    """The CUDA estimate of a step for a run with these optional kernels (None: the whole cuda extra)."""
+    from memfit.estimate.rules import assume_kernels
+    from memfit.ops import registry
 
-    with assume_cuda_extra(extra or kernels.WITH_CUDA_EXTRA):
+    with assume_kernels(registry.extra_kernels() if kernels_ is None else kernels_):
         return estimate_training_step(step, device="cuda").peak_bytes
 
 
 @pytest.fixture
 def torch_op_scan_peak(monkeypatch):
-    """mbsnet chunked-200f's CUDA estimate with the fused CPU kernels off (MEMFIT_SCAN_KERNEL=0): what
-    `memfit budget --device cuda` gives then, the torch-op scan and conv."""
-    from memfit.ops import cpu_kernel as _scan_kernel
-
+    """mbsnet chunked-200f's CUDA estimate for a GPU with no scan or conv kernel at all (no cuda extra, the
+    Triton scan switched off): the torch-op scan and conv."""
     entry = _mbsnet_chunked_200f()
-    monkeypatch.setenv("MEMFIT_SCAN_KERNEL", "0")
-    _scan_kernel.library.cache_clear()
-    try:
-        peak = _cuda_peak(entry.step)
-    finally:
-        monkeypatch.delenv("MEMFIT_SCAN_KERNEL")
-        _scan_kernel.library.cache_clear()
-    return peak
+    monkeypatch.setenv("MEMFIT_DISABLE", "triton")
+    return _cuda_peak(entry.step, frozenset())
 
 
 def test_no_cuda_kernels_estimates_the_torch_op_path_and_the_default_the_extra(torch_op_scan_peak, capsys):
@@ -267,10 +261,11 @@ def test_no_cuda_kernels_estimates_the_torch_op_path_and_the_default_the_extra(t
 
     assert not torch.cuda.is_available()  # the default below is the one for a machine without a GPU
     entry = _mbsnet_chunked_200f()
-    default, without = _cuda_peak(entry.step), _cuda_peak(entry.step, kernels.NO_CUDA_EXTRA)
+    default, without = _cuda_peak(entry.step), _cuda_peak(entry.step, frozenset())
     assert without == torch_op_scan_peak
     assert round(default / 2**30, 3) == 0.431 and round(without / 2**30, 3) == 1.012  # 0.431 before the flag
-    cases = [((), default, "with mamba_ssm and causal-conv1d"), (("--no_cuda_kernels",), without, "without")]
+    cases = [((), default, "with causal-conv1d, flash-attn, mamba-ssm"), (("--no_cuda_kernels",), without,
+             "without")]  # fmt: skip
     for flag, peak, said in cases:  # the command prints these figures and says which kernels it assumed
         with pytest.raises(SystemExit):
             cli.main(["budget", "--system", "mbsnet-speech", "--device", "cuda", *flag])
@@ -281,24 +276,22 @@ def test_no_cuda_kernels_estimates_the_torch_op_path_and_the_default_the_extra(t
 def test_preflight_on_a_gpu_without_mamba_ssm_estimates_the_torch_op_path(monkeypatch, torch_op_scan_peak):
     """The pre-flight on a (faked) CUDA device asks memfit.ops.registry what the GPU has."""
     from memfit.estimate import preflight
-    from memfit.ops import mamba
-    from memfit.ops import registry as probes
-    from memfit.ops import scan as ssm
+    from memfit.ops import registry
+
+    from tests.fake_kernels import install
 
     entry = _mbsnet_chunked_200f()
-    probes.reset(probes=True)
-    monkeypatch.setattr(ssm, "_mamba_scan_fn", None)  # the cuda extra not installed
-    monkeypatch.setattr(mamba, "_causal_conv1d_fn", None)
+    registry.reset(probes=True)
+    for name in ("mamba_ssm", "causal_conv1d", "flash"):  # the cuda extra not installed
+        install(monkeypatch, name, None)
     cuda, make = torch.device("cuda", 0), lambda batch, checkpointing: entry.step
     needs = preflight._needs(make, entry.batch, False, cuda)
     assert needs == int(torch_op_scan_peak * preflight.OVERHEAD["cuda"])
     # installed and probed fine: the fused kernels' figure
-    monkeypatch.setattr(ssm, "_mamba_scan_fn", lambda *a: None)
-    monkeypatch.setattr(mamba, "_causal_conv1d_fn", lambda *a: None)
-    monkeypatch.setattr(
-        probes, "probe", lambda kernel, fn, device: probes.ProbeResult(fn is not None, "faked")
-    )
-    assert probes.cuda_extra(cuda) == kernels.WITH_CUDA_EXTRA
+    for name in ("mamba_ssm", "causal_conv1d", "flash"):
+        install(monkeypatch, name, lambda *a, **k: None)
+    monkeypatch.setattr(registry, "probe", lambda impl, device: registry.ProbeResult(True, "faked"))
+    assert registry.kernels_on(cuda) == registry.extra_kernels()
     needs = preflight._needs(make, entry.batch, False, cuda)
     assert needs == int(_cuda_peak(entry.step) * preflight.OVERHEAD["cuda"])
-    probes.reset(probes=True)
+    registry.reset(probes=True)

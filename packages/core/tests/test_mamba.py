@@ -147,7 +147,7 @@ def test_fused_cpu_conv_matches_torch_conv(dtype):
     output and the gradients of input, weight and bias, on the strided input a Mamba block passes, with
     1 and 3 threads (per-thread weight-gradient accumulators summed)."""
     from memfit.ops import cpu_kernel as _scan_kernel
-    from memfit.ops.mamba import conv_silu
+    from memfit.ops.conv import conv_silu
 
     if _scan_kernel.library() is None:
         pytest.skip("no C compiler: the fused CPU kernels are not built")

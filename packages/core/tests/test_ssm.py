@@ -321,14 +321,13 @@ def test_default_chunk_and_output_dtype_under_autocast():
 def test_fused_kernel_threads_agree_and_are_used(monkeypatch):
     """1 and 3 threads (per-thread gradient accumulators summed) give the same result, and the default
     CPU path really is the fused kernel (a broken build would otherwise hide behind the fallback)."""
-    from memfit.ops import scan as ssm
+    from memfit.ops import registry
 
-    calls, orig = [], ssm._fused_scan
-    monkeypatch.setattr(ssm, "_fused_scan", lambda *a: calls.append(1) or orig(*a))
+    registry.reset()
     inputs = make_inputs(batch=3, dim=10, L=37, N=5, layout="group", groups=2, dtype=torch.float64)
     use = {"z": True, "D": True, "delta_bias": True}
     one, three = run_threads(inputs, use, 1, 3, chunk_size=8)
-    assert calls == [1, 1]
+    assert registry.ran("scan") == {"cpu_kernel": 2}
     assert_close(*one, *three, rtol=1e-13)
 
 
@@ -349,7 +348,7 @@ def test_runs_on_fake_tensors():
 def test_chunk_plan_runs_every_chunk_once_in_order():
     """The torch-op path runs chunks 0, 1 and the last itself and 2 .. n-2 in one op per direction
     (whose fake implementation skips them): together every chunk once, in order."""
-    from memfit.ops.scan import _chunk_plan
+    from memfit.ops.scan.chunked import _chunk_plan
 
     for n in range(1, 9):
         first, middle, last = _chunk_plan(n)

@@ -20,9 +20,9 @@ import torch
 
 from memfit import __version__
 from memfit.errors import UsageError, run_command
-from memfit.estimate import NO_CUDA_KERNELS_HELP, cuda_extra
+from memfit.estimate import NO_CUDA_KERNELS_HELP, cuda_kernels_assumed
 from memfit.estimate import add_parser as estimate_parser
-from memfit.estimate.rules import assume_cuda_extra
+from memfit.estimate.rules import assume_kernels, assumed_target
 from memfit.system import BudgetEntry, available_systems, load_system
 from memfit.train.flags import Parser, check_numbers
 
@@ -173,13 +173,13 @@ def _budget(args: argparse.Namespace) -> int:
     if args.system is not None and args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
         raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
-    extra = cuda_extra(args.device, False if args.no_cuda_kernels else None)
-    with assume_cuda_extra(extra):
+    with assume_kernels(cuda_kernels_assumed(args.device, False if args.no_cuda_kernels else None)):
         rows = budget_rows(args.system, args.device)
+        described = assumed_target().describe()
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        kernels = f"CUDA's kernels {extra.describe()}" if args.device == "cuda" else "the CPU's kernels"
+        kernels = f"CUDA's kernels {described}" if args.device == "cuda" else "the CPU's kernels"
         print(f"Estimated peak of one paper-size training step (fake tensors, {kernels}; --json for details)")
         print(format_budget_table(rows))
     return 0 if all(r["fits"] is not False for r in rows) else 1
@@ -196,16 +196,16 @@ def _fit(args: argparse.Namespace) -> int:
     if args.gpu_gib is None:
         raise UsageError("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
     check_numbers(args, gpu_gib=">0", max_batch=">=1")
-    extra = cuda_extra("cuda", False if args.no_cuda_kernels else None)
-    with assume_cuda_extra(extra):
-        results = fit_system(args.system, args.gpu_gib, args.max_batch, args.variant)
+    with assume_kernels(cuda_kernels_assumed("cuda", False if args.no_cuda_kernels else None)):
+        results = fit_system(load_system(args.system).budgets(), args.gpu_gib, args.max_batch, args.variant)
+        described = assumed_target().describe()
     if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
         print(message, file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:
-        print(format_fit(args.system, args.gpu_gib, results, extra.describe()))
+        print(format_fit(args.system, args.gpu_gib, results, described))
     return 0
 
 
@@ -272,7 +272,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from memfit.ops import doctor
 
-    return doctor.run(require_cuda=args.require_cuda)
+    return doctor.run(require_cuda=args.require_cuda, require_kernels=args.require_kernels)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -338,7 +338,11 @@ def _main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("doctor", help="what each path (scan, conv, attention) uses on this machine, and why")
     p.add_argument(
         "--require-cuda", action="store_true",
-        help="exit 2 unless CUDA works and every kernel of the cuda extra passes its probe",
+        help="exit 2 unless CUDA works and every CUDA implementation installed passes its probe",
+    )  # fmt: skip
+    p.add_argument(
+        "--require-kernels", action="store_true",
+        help="as --require-cuda, and every kernel of the cuda extra must be installed and pass its probe",
     )  # fmt: skip
     p.set_defaults(func=_doctor)
     args = parser.parse_args(argv)

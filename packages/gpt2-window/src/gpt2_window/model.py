@@ -17,7 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from memfit.ops import registry as probes
+from memfit.ops import registry
 from memfit.ops.attention import attention, attention_ref
 from memfit.ops.layers import checkpointed
 from torch import nn
@@ -165,7 +165,7 @@ class GPT(nn.Module):
         The context is right-padded to it; causal attention keeps the padding out of position T-1."""
         T = idx.shape[1]
         windowed = any(w is not None for w in self.windows) and self.config.attn_impl == "memfit"
-        if not (windowed and probes.is_cuda(idx)):
+        if not (windowed and registry.is_cuda(idx)):
             return T
         return min(self.config.block_size, max(SAMPLING_MIN_LENGTH, 1 << (T - 1).bit_length()))
 

@@ -30,9 +30,9 @@ def train_step(
     """A full training step (forward, MP-SENet losses or `weights`', backward, AdamW) on random (noisy,
     clean) audio."""
     from mbsnet_speech.losses import enhancement_loss
-    from mbsnet_speech.train import training_step_loss
 
-    loss = training_step_loss if weights is None else lambda model, b: enhancement_loss(model, b, weights)[0]
+    def loss(model, b):
+        return enhancement_loss(model, b, weights)[0]
 
     def make_batch(device):
         return (

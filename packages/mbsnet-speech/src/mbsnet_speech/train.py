@@ -51,11 +51,6 @@ from mbsnet_speech.model import MBSNet, count_params
 SYSTEM_NAME = "mbsnet-speech"
 
 
-def training_step_loss(model: MBSNet, batch) -> torch.Tensor:
-    """Scalar loss for memfit.estimate.memory.TrainStep (the default loss weights)."""
-    return enhancement_loss(model, batch)[0]
-
-
 def parse_terms(cls, spec: str) -> dict[str, float]:
     """'mag=0.9,stft=0.5' -> {"mag": 0.9, "stft": 0.5} for the fields of a dataclass of floats."""
     known = set(cls.__dataclass_fields__)

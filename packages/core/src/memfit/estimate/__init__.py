@@ -60,7 +60,7 @@ from memfit.estimate.trace import (  # noqa: F401 - re-exported: the names `memf
     trace_step,
     trace_target,
 )
-from memfit.ops import registry as probes
+from memfit.ops import registry
 
 # ----------------------------------------------------------------------------------------------------
 # Output
@@ -259,7 +259,7 @@ def estimate(
         raise UsageError("error: --ranks, --top and --max_batch must be at least 1")
     result = EstimateResult(target, trace_target(target), top, ranks=ranks, shard=shard)
     if target.device == "cuda":
-        result.cuda_kernels = kernels.assumed_cuda_extra().describe()
+        result.cuda_kernels = kernels.assumed_target().describe()
     if what_ifs:
         result.what_ifs = explain.what_ifs(target, result.trace)
     knob = scale or ("batch" if what_ifs and "batch" in target.knobs else None)
@@ -339,7 +339,7 @@ def estimate_model(
         )
     target = make_target(factory, label, texts, dtype, loss, amp_name)
     target.device = _device(device)
-    with kernels.assume_cuda_extra(cuda_extra(target.device, cuda_kernels)):
+    with kernels.assume_kernels(cuda_kernels_assumed(target.device, cuda_kernels)):
         return estimate(
             target,
             top,
@@ -352,14 +352,14 @@ def estimate_model(
         )
 
 
-def cuda_extra(device: str, cuda_kernels: bool | None) -> kernels.CudaExtra:
+def cuda_kernels_assumed(device: str, cuda_kernels: bool | None) -> frozenset[str]:
     """The ``cuda`` extra's kernels a CUDA estimate assumes: none with ``cuda_kernels=False``
     (``--no_cuda_kernels``), else what this machine's GPU has, or all without a GPU (the README's setup)."""
     if cuda_kernels is False and device != "cuda":
         raise UsageError("error: --no_cuda_kernels is about a CUDA run: give --device cuda (or --gpu_gib)")
     if cuda_kernels is False:
-        return kernels.NO_CUDA_EXTRA
-    return probes.cuda_extra_here() if device == "cuda" else kernels.CudaExtra()
+        return frozenset()
+    return registry.kernels_assumed_here() if device == "cuda" else registry.extra_kernels()
 
 
 def _device(name: str) -> str:
@@ -449,7 +449,7 @@ def _main(args) -> int:
     device = _device(args.device or ("cuda" if args.gpu_gib is not None else "cpu"))
     target = load_target(args.target, args.input, args.dtype, args.loss_target, args.amp)
     target.device = device
-    with kernels.assume_cuda_extra(cuda_extra(device, False if args.no_cuda_kernels else None)):
+    with kernels.assume_kernels(cuda_kernels_assumed(device, False if args.no_cuda_kernels else None)):
         result = estimate(
             target,
             args.top,

@@ -429,8 +429,8 @@ def _rank_worker(rank, ranks, port, spec, inputs, loss_target, shard, queue) -> 
 
     import torch.distributed as dist
 
-    from memfit.estimate import load_target
     from memfit.estimate.memory import measure_training_step
+    from memfit.estimate.trace import load_target
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -67,14 +67,13 @@ def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch:
     return lo, cache[lo], cache[hi], len(cache)
 
 
-def fit_system(system: str, gpu_gib: float, max_batch: int = 4096, variants: list[str] | None = None):
-    """For every budgeted variant of `system` that can be rebuilt at other batch sizes: the largest batch
-    without checkpointing and, when checkpointing helps, with it; estimated for a CUDA run (its attention
-    kernels, autocast policy and allocator rounding: memfit.estimate.rules), since the memory is a GPU's."""
-    from memfit.system import load_system
-
+def fit_system(budgets, gpu_gib: float, max_batch: int = 4096, variants: list[str] | None = None):
+    """For every budgeted variant (a system's ``budgets()``, ``memfit.system.BudgetEntry``) that can be
+    rebuilt at other batch sizes: the largest batch without checkpointing and, when checkpointing helps,
+    with it; estimated for a CUDA run (its attention kernels, autocast policy and allocator rounding:
+    memfit.estimate.rules), since the memory is a GPU's."""
     results = []
-    for entry in load_system(system).budgets():
+    for entry in budgets:
         if entry.is_baseline or entry.make_step is None:
             continue
         if variants and entry.variant not in variants:

@@ -888,7 +888,7 @@ def estimate_training_step(
 
     ``device="cuda"``: what a CUDA run keeps (``memfit.estimate.rules``: CUDA's SDPA backends and autocast
     policy,
-    the caching allocator's 512-byte blocks; the Mamba kernels ``kernels.assume_cuda_extra`` says the GPU
+    the caching allocator's 512-byte blocks; the Mamba kernels ``kernels.assume_kernels`` says the GPU
     has, by default mamba_ssm's and causal-conv1d's); the trace itself still runs on fake CPU tensors.
     """
     if device not in ("cpu", "cuda"):
@@ -902,7 +902,7 @@ def estimate_training_step(
         report = _tracked_steps(
             step, steps, fake=True, device=torch.device("cpu"), tracker=tracker, prime=prime
         )
-    extra = f", CUDA kernels {kernels.assumed_cuda_extra().describe()}" if cuda else ""
+    extra = f", CUDA kernels {kernels.assumed_target().describe()}" if cuda else ""
     report.method = f"estimated (FakeTensorMode on CPU{extra})"
     return report
 

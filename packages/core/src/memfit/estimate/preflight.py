@@ -22,7 +22,7 @@ import torch
 from memfit.errors import UsageError, first_line
 from memfit.estimate import rules as kernels
 from memfit.estimate.memory import GIB, TrainStep, estimate_training_step
-from memfit.ops import registry as probes
+from memfit.ops import registry
 
 # What the process needs per byte of tensors the estimate counts. On the CPU a step's peak RSS grew by
 # 1.1-1.5x its tensors with malloc's defaults and 1.3-1.9x with the Trainer's keep_freed_memory (heap
@@ -106,8 +106,8 @@ def _needs(make: MemoryStep, batch: int, checkpointing: bool, device: torch.devi
     """Bytes the process needs for a step: the estimated tensor peak times the device's OVERHEAD."""
     target = "cuda" if device.type == "cuda" else "cpu"  # the kernels (and allocator) the run will use
     # on CUDA the Mamba kernels this GPU has: without mamba_ssm the torch-op scan needs 2-3x the memory
-    extra = probes.cuda_extra(device) if target == "cuda" else kernels.assumed_cuda_extra()
-    with kernels.assume_cuda_extra(extra):
+    assumed = registry.kernels_on(device) if target == "cuda" else kernels.assumed_target().kernels
+    with kernels.assume_kernels(assumed):
         tensors = estimate_training_step(make(batch, checkpointing), device=target).peak_bytes
     return int(tensors * OVERHEAD.get(device.type, OVERHEAD["cuda"]))
 

@@ -23,7 +23,7 @@ make that differ from a real run:
     log_softmax, exp, pow, sum, cumsum, the losses, ...; ``CUDA_FP32_OPS``) get fp32 inputs, where CPU
     autocast would leave them in bf16/fp16.
   - every allocation is rounded as the caching allocator rounds it: up to a multiple of 512 bytes.
-  - the Mamba scan and conv take the kernels the run will have (``CudaExtra``): with the ``cuda`` extra's
+  - the Mamba scan and conv take the kernels the run will have (``assumed_target``): with the ``cuda`` extra's
     mamba_ssm / causal-conv1d (the default; on a GPU machine, what their probes say) the fused CPU
     kernels' fake ops stand in for them (both save their inputs and recompute); without, the torch-op path
     a GPU run then takes (``memfit.ops.scan``'s chunked scan holds several (batch, chunk, N, dim) buffers:
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -48,6 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
+
+from memfit.ops import registry
 
 PAGE = 4096  # oneDNN page-aligns each part of an RNN workspace
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to a multiple of this
@@ -183,55 +184,26 @@ CUDA_FP32_OPS = frozenset(
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class CudaExtra:
-    """Which kernels of the ``cuda`` extra the CUDA run being estimated will use: mamba_ssm's selective
-    scan and causal-conv1d's conv (each only when installed and its probe passes: ``memfit.ops.registry``)."""
-
-    scan: bool = True
-    conv: bool = True
-
-    def describe(self) -> str:
-        """How a report names the assumption."""
-        if self.scan and self.conv:
-            return "with mamba_ssm and causal-conv1d"
-        if not (self.scan or self.conv):
-            return "without the cuda extra: torch-op scan and conv"
-        return "with mamba_ssm, torch-op conv" if self.scan else "torch-op scan, with causal-conv1d"
-
-
-NO_CUDA_EXTRA = CudaExtra(scan=False, conv=False)
-WITH_CUDA_EXTRA = CudaExtra()
-
-# the kernels a CUDA estimate assumes when none are given (``assume_cuda_extra``), and, inside
-# ``cuda_rules``, those of the step being traced (None: not the CUDA target)
-_assumed = contextvars.ContextVar[CudaExtra]("memfit_cuda_extra", default=WITH_CUDA_EXTRA)
-_traced = contextvars.ContextVar[CudaExtra | None]("memfit_cuda_target", default=None)
+# the optional CUDA kernels (names of ``memfit.ops.registry`` records with a package) a CUDA estimate assumes
+# when none are given (``assume_kernels``; None: every kernel of the cuda extra)
+_assumed = contextvars.ContextVar[frozenset[str] | None]("memfit_cuda_kernels", default=None)
 
 
 @contextlib.contextmanager
-def assume_cuda_extra(extra: CudaExtra) -> Iterator[None]:
-    """CUDA estimates inside assume ``extra`` (the commands' ``--no_cuda_kernels``, the pre-flight)."""
-    token = _assumed.set(extra)
+def assume_kernels(kernels: frozenset[str]) -> Iterator[None]:
+    """CUDA estimates inside assume the run has these optional kernels (the commands' ``--no_cuda_kernels``,
+    the pre-flight: what the GPU at hand has)."""
+    token = _assumed.set(frozenset(kernels))
     try:
         yield
     finally:
         _assumed.reset(token)
 
 
-def assumed_cuda_extra() -> CudaExtra:
-    """The kernels a CUDA estimate made now would assume."""
-    return _assumed.get()
-
-
-def cuda_target_lacks(kernel: str) -> bool:
-    """True while a CUDA-target trace runs for a GPU without ``kernel`` ("scan" or "conv"): the Mamba
-    dispatch then takes the torch-op path that GPU run takes instead of the fused CPU kernel's fake ops.
-    Never while torch.compile traces (an estimate is not compiled; dynamo cannot read a ContextVar)."""
-    if torch.compiler.is_compiling():
-        return False
-    extra = _traced.get()
-    return extra is not None and not getattr(extra, kernel)
+def assumed_target() -> registry.Target:
+    """The CUDA run a CUDA estimate made now stands for."""
+    kernels = _assumed.get()
+    return registry.Target("cuda", registry.extra_kernels() if kernels is None else kernels)
 
 
 class CudaRules(TorchFunctionMode):
@@ -258,11 +230,12 @@ class CudaRules(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def cuda_rules(extra: CudaExtra | None = None) -> Iterator[None]:
+def cuda_rules(target: registry.Target | None = None) -> Iterator[None]:
     """CudaRules for the whole step, activation checkpointing's recompute included: PyTorch runs that
     recompute inside backward, where a TorchFunctionMode is not seen, so non-reentrant checkpoint calls
     get a context_fn that enters the rules around it (the saved and recomputed tensors then agree).
-    ``extra``: the ``cuda`` extra's kernels the run has (None: ``assumed_cuda_extra()``)."""
+    ``target``: the CUDA run the trace stands for (None: ``assumed_target()``), which the ops' registry
+    reads to choose each op's implementation as that run would."""
     real = torch.utils.checkpoint.checkpoint
 
     def checkpoint(function, *args, use_reentrant=None, context_fn=None, **kwargs):
@@ -284,13 +257,11 @@ def cuda_rules(extra: CudaExtra | None = None) -> Iterator[None]:
         return real(function, *args, use_reentrant=False, context_fn=with_rules, **kwargs)
 
     torch.utils.checkpoint.checkpoint = checkpoint
-    token = _traced.set(extra if extra is not None else _assumed.get())
     try:
-        with CudaRules():
+        with registry.traced_as(target if target is not None else assumed_target()), CudaRules():
             yield
     finally:
         torch.utils.checkpoint.checkpoint = real
-        _traced.reset(token)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -35,24 +35,17 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from memfit.ops import registry as probes
+from memfit.ops import registry
 
 BACKENDS = ("auto", "flash", "sdpa", "flex", "blocks", "band", "ref")
-
-# flash-attn builds without CUDA only when forced, and then fails to import its extension: guard broadly.
-try:  # pragma: no cover - depends on the machine
-    from flash_attn import flash_attn_func as _flash_attn_func
-except (ImportError, OSError, RuntimeError):
-    _flash_attn_func = None
 
 # Queries per block on the band path (at most), and a cap on the bytes of fp32 band buffers one group of
 # blocks may hold (the group is the unit of work: bigger groups mean fewer Python steps, smaller ones a
 # lower peak; see _groups).
 BAND_BLOCK = 64
 BAND_GROUP_BYTES = 64 * 2**20
-# CPU dispatch for windows shorter than L (measured, see select_backend): the band path from L >= this many
-# windows, else SDPA per query block of max(w // 2, BLOCKS_MIN) queries.
-BAND_MIN_RATIO = 16
+# SDPA per query block of max(w // 2, BLOCKS_MIN) queries (the registry's rule: the band path from
+# L >= BAND_MIN_RATIO windows on the CPU)
 BLOCKS_MIN = 32
 
 
@@ -93,7 +86,22 @@ def force_backend(name: str) -> Iterator[None]:
 
 def flash_available() -> bool:
     """True when flash-attn imported (its kernels still need CUDA tensors in fp16/bf16)."""
-    return _flash_attn_func is not None
+    return registry.resolve(registry.record_of("attention", "flash").load) is not None
+
+
+def probe_flash(fn, device: torch.device) -> tuple[bool, str]:
+    """One tiny bf16 window call of a window-attention implementation on ``device`` against
+    ``attention_ref``."""
+    from memfit.ops.scan.ref import compare
+
+    g = torch.Generator(device=device).manual_seed(0)
+    batch, L, heads, hd, window = 2, 40, 2, 64, 8
+    q, k, v = (
+        torch.randn(batch, heads, L, hd, generator=g, device=device).to(torch.bfloat16) for _ in range(3)
+    )
+    out = fn(q, k, v, window, None)
+    want = attention_ref(q.float(), k.float(), v.float(), window=window)
+    return compare([out], [want], 2e-2)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -191,12 +199,14 @@ def window_block_mask(L: int, window: int, device="cpu"):
 _compiled_flex = None
 
 
-def _flex(q, k, v, window, scale):
+def flex_window(q, k, v, window, scale):
+    """A causal window of ``window`` keys with FlexAttention (compiled on CUDA, where it runs
+    block-sparse)."""
     global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
     fn = flex_attention
-    if q.is_cuda:
+    if registry.is_cuda(q):
         # Eager flex materialises the full score matrix; compiled it runs the block-sparse kernel.
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention, dynamic=False)
@@ -482,20 +492,22 @@ def _sdpa(q, k, v, causal, scale):
 
 
 def select_backend(q, k, v, *, causal=False, window=None) -> str:
-    """The path ``attention`` would take for these inputs (ignoring ``force_backend``)."""
+    """The path ``attention`` would take for these inputs (ignoring ``force_backend``); records nothing."""
     L = q.shape[-2]
     if window is None or window >= L:
         return "sdpa"
-    if probes.is_cuda(q) and probes.flash_ok(_flash_attn_func, q, k, v):
-        return "flash"  # installed, its probe passed, and these inputs meet its preconditions
-    if probes.is_cuda(q):
-        return "flex"
-    # CPU (tools/bench_attention.py --grid, README): SDPA on query blocks of max(w/2, 32) is 0.36-1.03x
-    # causal SDPA's time from L 128 to 8192 wherever L < 16 w (at most 0.68x from L 1024), and one masked
-    # SDPA call (L <= 64) 1.02-1.03x; the band path wins once L >= 16 w (0.04-0.83x).
-    if BAND_MIN_RATIO * window <= L:
-        return "band"
-    return "blocks"
+    return _choose(q, k, v, window, record=False)[0]
+
+
+def _choose(q, k, v, window: int, record: bool = True):
+    impl, fn = registry.choose("attention", q, k, v, window, count=record)
+    return impl.name, fn
+
+
+def flash_like(q, k, v, window: int, scale):
+    """What a CUDA window kernel keeps (flash-attn's or compiled Flex's: the output and its logsumexp), as
+    causal SDPA, whose CUDA target traces the flash kernel: the stand-in of an estimate's trace."""
+    return _sdpa(q, k, v, True, scale)
 
 
 def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
@@ -507,16 +519,17 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
     name = backend or getattr(_forced, "name", None) or "auto"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
-    if name == "auto":
-        name = select_backend(q, k, v, causal=causal, window=window)
     if name == "ref":
-        probes.record("attention", "ref")
+        registry.record("attention", "ref")
         return attention_ref(q, k, v, causal=causal, window=window, scale=scale)
-    if window is None:
+    if window is None or (name == "auto" and window >= q.shape[-2]):
         # band, blocks, flex and flash exist for windows; full attention is SDPA's job.
-        probes.record("attention", "sdpa")
-        return _sdpa(q, k, v, causal, scale)
-    probes.record("attention", name)
+        registry.record("attention", "sdpa")
+        return _sdpa(q, k, v, causal or window is not None, scale)
+    if name == "auto":
+        _, fn = _choose(q, k, v, window)
+        return fn(q, k, v, window, scale)
+    registry.record("attention", name)
     if name == "sdpa":
         if q.shape[-2] > window:
             raise ValueError(
@@ -524,26 +537,14 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
                 f"window={window}); use backend='band', 'flex' or 'auto'"
             )
         return _sdpa(q, k, v, True, scale)
+    impl = registry.record_of("attention", name)
+    fn = registry.resolve(impl.load)
     if name == "flash":
-        if _flash_attn_func is None or not probes.is_cuda(q):
+        if fn is None or not registry.is_cuda(q):
             raise ValueError("attention: backend='flash' needs flash-attn installed and CUDA tensors")
-        problem = probes.flash_problem(q, k, v)
-        if problem is None and not (res := probes.probe("flash_attn", _flash_attn_func, q.device)).ok:
+        problem = registry._problem(impl, (q, k, v, window))
+        if problem is None and not (res := registry.probe(impl, q.device)).ok:
             problem = f"its probe failed: {res.detail}"
         if problem is not None:
             raise ValueError(f"attention: backend='flash' cannot run here: {problem}")
-        # flash-attn's layout is (B, L, H, D).
-        o = _flash_attn_func(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            softmax_scale=scale,
-            causal=True,
-            window_size=(window - 1, 0),
-        )
-        return o.transpose(1, 2)
-    if name == "flex":
-        return _flex(q, k, v, window, scale)
-    if name == "blocks":
-        return sdpa_blocks(q, k, v, window, scale)
-    return band_attention(q, k, v, window, scale)
+    return fn(q, k, v, window, scale)

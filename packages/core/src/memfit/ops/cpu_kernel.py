@@ -7,7 +7,8 @@ kernel splits its work items ((batch, dim) sequences, or (batch, block of channe
 path) over ``torch.get_num_threads()`` pthreads.
 
 ``library()`` returns None (and memfit.ops.scan uses its torch-op path) when there is no compiler, the build
-fails, the platform is not POSIX, or ``MEMFIT_SCAN_KERNEL=0``. The first failure is reported once as a
+fails, the platform is not POSIX, or the registry switches it off (``MEMFIT_DISABLE=cpu_kernel``). The
+first failure is reported once as a
 warning.
 """
 
@@ -25,6 +26,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+
+from memfit.ops import registry
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_kernel_body.h"))  # the .c includes the body once per dtype
@@ -107,7 +110,7 @@ _failed: list[str] = []  # why a build failed (then available() is False from th
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None when it cannot be had here (the caller falls back)."""
-    if os.environ.get("MEMFIT_SCAN_KERNEL", "1") == "0" or os.name != "posix":
+    if "cpu_kernel" in registry.disabled() or os.name != "posix":
         return None
     cc = _compiler()
     if cc is None:
@@ -158,9 +161,20 @@ def available() -> bool:
     """Whether the kernel is built or can be built here: a C compiler is found and no build has failed. The
     build itself waits for the first real call (library()), so a memory estimate, whose fake tensors never
     reach the kernel, does not wait for the compiler (the first `train` pre-flight on a machine)."""
-    if os.environ.get("MEMFIT_SCAN_KERNEL", "1") == "0" or os.name != "posix" or _compiler() is None:
-        return False
-    return not _failed
+    return why_unavailable() is None
+
+
+def why_unavailable() -> str | None:
+    """None when the kernel is built or can be built here, else why not (the registry's readiness check)."""
+    if "cpu_kernel" in registry.disabled():
+        return "switched off (MEMFIT_DISABLE=cpu_kernel or MEMFIT_SCAN_KERNEL=0)"
+    if os.name != "posix":
+        return "not a POSIX platform"
+    if _compiler() is None:
+        return "no C compiler: install gcc or set CC for the fused kernel, several x faster"
+    if _failed:
+        return f"building it failed ({_failed[0][:200]})"
+    return None
 
 
 @torch.compiler.assume_constant_result
@@ -206,7 +220,7 @@ def call(name: str, args: ScanArgs | ConvArgs) -> None:
 
         raise UsageError(
             "error: the fused CPU scan kernel could not be built here (the warning above says why); "
-            "set MEMFIT_SCAN_KERNEL=0 to use torch ops"
+            "set MEMFIT_DISABLE=cpu_kernel to use torch ops"
         )
     if getattr(library(), name)(ctypes.byref(args)) != 0:
         raise MemoryError(f"memfit: {name} could not allocate its work buffers")

@@ -18,15 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.estimate import rules as kernels
-from memfit.ops import cpu_kernel as _K
-from memfit.ops import registry as probes
-from memfit.ops import scan as ssm
-
-try:  # causal-conv1d's CUDA kernel: optional, its import fails without CUDA.
-    from causal_conv1d import causal_conv1d_fn as _causal_conv1d_fn
-except (ImportError, OSError, RuntimeError):  # pragma: no cover - depends on the machine
-    _causal_conv1d_fn = None
+from memfit.ops.conv import causal_conv_silu
+from memfit.ops.scan import selective_scan
 
 
 @dataclass
@@ -66,117 +59,6 @@ class MambaConfig:
             raise ValueError(f"MambaConfig needs 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
 
 
-def _fused_cpu(x: torch.Tensor) -> bool:
-    """CPU tensors with the fused kernels built (memfit/cpu_kernel.c). Fake tensors (memory estimates)
-    take it too: the conv ops' fake implementations make the outputs the kernel makes (and stand in for
-    causal-conv1d's, except in a CUDA estimate for a GPU without it:
-    ``memfit.estimate.rules.cuda_target_lacks``)."""
-    return x.device.type == "cpu" and not kernels.cuda_target_lacks("conv") and _K.available()
-
-
-# The fused depthwise causal conv1d + SiLU as torch ops, memfit::conv_fwd and memfit::conv_bwd, on the
-# tensors as the kernel reads them (x channels last in the compute dtype, the weight as (k, d)), with fake
-# implementations making the same outputs, and _ConvSiLU around them as memfit.ops.scan's _FusedScan is around
-# the scan's ops (casts as torch ops, the block's own tensors saved for backward).
-
-
-def _conv_args(xt: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, nthreads: int) -> _K.ConvArgs:
-    batch, L, dim = xt.shape
-    a = _K.ConvArgs(batch=batch, L=L, dim=dim, K=wt.shape[0], sx_b=xt.stride(0), sx_t=xt.stride(1))
-    a.x, a.w, a.bias, a.nthreads = xt.data_ptr(), wt.data_ptr(), _K.ptr(bias), nthreads
-    return a
-
-
-@torch.library.custom_op("memfit::conv_fwd", mutates_args=(), device_types="cpu", tags=ssm.OP_TAGS)
-def _conv_fwd(xt: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, nthreads: int) -> torch.Tensor:
-    """silu(depthwise causal conv1d) of xt (batch, L, d), d contiguous, weight wt (k, d) contiguous, bias
-    (d,) or None: a new (batch, L, d) tensor."""
-    a = _conv_args(xt, wt, bias, nthreads)
-    u = torch.empty_like(xt, memory_format=torch.contiguous_format)
-    a.u = u.data_ptr()
-    _K.call(f"conv_fwd_{ssm.sfx(xt.dtype)}", a)
-    return u
-
-
-@_conv_fwd.register_fake
-def _(xt, wt, bias, nthreads):
-    return torch.empty_like(xt, memory_format=torch.contiguous_format)
-
-
-def _conv_bwd_outputs(xt: torch.Tensor, wt: torch.Tensor, bias, nthreads) -> tuple:
-    """(gx (batch, L, d), per-thread gw (nth, k, d) and gb (nth, d), gb empty without a bias)."""
-    nth = max(1, min(nthreads, xt.shape[0]))
-    gx = torch.empty_like(xt, memory_format=torch.contiguous_format)
-    gw = xt.new_zeros((nth, *wt.shape))
-    gb = xt.new_zeros((nth, xt.shape[2])) if bias is not None else xt.new_empty(0)
-    return gx, gw, gb
-
-
-@torch.library.custom_op("memfit::conv_bwd", mutates_args=(), device_types="cpu", tags=ssm.OP_TAGS)
-def _conv_bwd(
-    xt: torch.Tensor, wt: torch.Tensor, bias: torch.Tensor | None, gu: torch.Tensor, nthreads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward from the gradient gu (batch, L, d), contiguous, of the output: see _conv_bwd_outputs."""
-    gx, gw, gb = _conv_bwd_outputs(xt, wt, bias, nthreads)
-    a = _conv_args(xt, wt, bias, gw.shape[0])
-    a.gu, a.gx, a.gw, a.gb = gu.data_ptr(), gx.data_ptr(), gw.data_ptr(), _K.ptr(bias if bias is None else gb)
-    _K.call(f"conv_bwd_{ssm.sfx(xt.dtype)}", a)
-    return gx, gw, gb
-
-
-@_conv_bwd.register_fake
-def _(xt, wt, bias, gu, nthreads):
-    return _conv_bwd_outputs(xt, wt, bias, nthreads)
-
-
-class _ConvSiLU(torch.autograd.Function):
-    """silu(depthwise causal conv1d) on CPU in C, channels last: x (batch, d, L), typically a transposed
-    view of a (batch, L, d) projection, read in place; the result is a (batch, d, L) view of a
-    (batch, L, d) tensor, the layout x_proj and the scan read without copies. Backward recomputes the
-    pre-activation instead of keeping it. The kernel computes in fp32 (fp64 for fp64 x); bf16/fp16 x (under
-    autocast) is cast on the way in and the result cast back to x's dtype, as autocast's conv1d gives."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        xt, wt, b = _conv_inputs(x, weight, bias)
-        u = _conv_fwd(xt, wt, b, _K.threads())
-        ctx.save_for_backward(x, weight, bias)
-        return u.to(x.dtype).transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, gu):
-        x, weight, bias = ctx.saved_tensors
-        xt, wt, b = _conv_inputs(x, weight, bias)
-        gut = gu.transpose(1, 2).to(xt.dtype).contiguous()
-        gx, gw, gb = _conv_bwd(xt, wt, b, gut, _K.threads())
-        gw = gw.sum(0).t().reshape(weight.shape).to(weight.dtype)
-        gb = gb.sum(0).to(bias.dtype) if bias is not None else None
-        return gx.to(x.dtype).transpose(1, 2), gw, gb
-
-
-def _conv_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
-    """x, the conv's weight (d, 1, k) and bias as the kernel reads them: (x as (batch, L, d) with d
-    contiguous, the weight as (k, d) contiguous, the bias contiguous), in the compute dtype."""
-    dim, k = weight.shape[0], weight.shape[-1]
-    cd = ssm.compute_dtype(x)
-    xt = _channels_last(x, cd)
-    wt = weight.detach().reshape(dim, k).t().contiguous().to(cd)
-    b = bias.detach().to(cd).contiguous() if bias is not None else None
-    return xt, wt, b
-
-
-def conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """silu(depthwise causal conv1d(x)) on the fused CPU kernel: x (batch, d, L), weight (d, 1, k), bias
-    (d,) or None -> (batch, d, L) in x's dtype, a view of a (batch, L, d) tensor."""
-    return _ConvSiLU.apply(x, weight, bias)
-
-
-def _channels_last(x: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
-    """(batch, d, L) x as a (batch, L, d) tensor of dtype cd with d contiguous (a view when it is one)."""
-    xt = ssm.cast_bdl(x, cd).transpose(1, 2)  # the scan's cast, which keeps a channel stride of 1
-    return xt if xt.stride(2) == 1 else xt.contiguous()
-
-
 class Mamba(nn.Module):
     """Mamba-1 mixer: x (batch, L, d_model) -> (batch, L, d_model), causal in L."""
 
@@ -214,15 +96,7 @@ class Mamba(nn.Module):
 
     def _conv(self, x: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv + SiLU: x (batch, d_inner, L)."""
-        if self.config.use_kernels and probes.is_cuda(
-            x
-        ):  # causal-conv1d when it takes x (memfit.ops.registry)
-            w = self.conv1d.weight.squeeze(1)
-            if probes.use_conv(_causal_conv1d_fn, x, w, self.conv1d.bias):
-                return _causal_conv1d_fn(probes.conv_layout(x), w, self.conv1d.bias, activation="silu")
-        elif self.config.use_kernels and x.is_floating_point() and _fused_cpu(x):
-            return conv_silu(x, self.conv1d.weight, self.conv1d.bias)
-        return F.silu(self.conv1d(x)[..., : x.shape[-1]])  # left padding only: trim the look-ahead outputs
+        return causal_conv_silu(x, self.conv1d.weight, self.conv1d.bias, kernels=self.config.use_kernels)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         """x (batch, L, d_model) -> (batch, L, d_model). Other keywords (e.g. inference_params) are
@@ -241,7 +115,7 @@ class Mamba(nn.Module):
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # its bias goes in as delta_bias, in fp32
         B, C = B.transpose(1, 2), C.transpose(1, 2)  # (batch, N, L)
         A = -torch.exp(self.A_log.float())
-        y = ssm.selective_scan(
+        y = selective_scan(
             xs, dt, A, B, C, self.D.float(), z=z, delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
             chunk_size=cfg.chunk_size, use_kernels=cfg.use_kernels,
         )  # fmt: skip

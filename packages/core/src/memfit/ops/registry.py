@@ -1,53 +1,50 @@
-"""Whether each optional CUDA kernel may run on these inputs, and which path actually ran.
+"""Every implementation of every op, one record each; the call sites, `memfit doctor` and the estimator's
+CUDA target all read these records.
 
-Three kernels are optional (the ``cuda`` extra): mamba_ssm's ``selective_scan_fn`` (memfit.ops.scan),
-causal-conv1d's ``causal_conv1d_fn`` (memfit.ops.mamba) and flash-attn's ``flash_attn_func``
-(memfit.ops.attention). Importing one proves little: a wheel built for another GPU generation, a newer
-mamba_ssm that imports without its compiled extension, or a driver mismatch all import and then fail at
-the first call. So a kernel is used only when
+A record (``Impl``) says: the op ("scan", "conv", "attention"), the implementation's name, the device type
+it runs on, how it is imported (``load``, "module:attribute", resolved on first use; a failed import means
+"not available", never an error), the inputs it takes (``problem``: None, or why not), a probe against the
+op's reference (``probe``: one tiny call per device at first use, cached), and its priority. ``choose``
+walks an op's records from the highest priority and returns the first that is available here, not switched
+off, takes these inputs and passed its probe; the op's plain torch record (priority 0) always does. So
+adding an implementation is one record here and one file beside the op's reference.
 
-* its **preconditions** hold for the call (the checks the pinned kernels make, read from their sources:
-  mamba_ssm 2.3.2.post1 ``selective_scan.cpp``, causal_conv1d 1.7.0 ``causal_conv1d.cpp``,
-  flash_attn 2.8.3.post2 ``flash_api.cpp``), and
-* its **probe** passed: at first use on a device, one tiny call compared with our PyTorch path, cached
-  per (kernel, function, device).
+Optional kernels (the ``cuda`` extra: mamba_ssm, causal-conv1d, flash-attn) are used only when installed,
+their preconditions hold (read from the pinned kernels' sources: mamba_ssm 2.3.2.post1
+``selective_scan.cpp``, causal_conv1d 1.7.0 ``causal_conv1d.cpp``, flash_attn 2.8.3.post2 ``flash_api.cpp``)
+and their probe passed: a wheel built for another GPU, a newer release that imports without its compiled
+extension, or a driver mismatch all import and then fail at the first call. A candidate that is installed
+but cannot take a call warns once per reason and the next record runs.
 
-Otherwise the PyTorch path runs and a warning says why, once per reason. ``ran()`` counts the path each
-dispatch site took ("scan", "conv", "attention"), so tests can assert that a kernel really ran.
+The device test is ``device_type(t)``, the one place that says which device a tensor's op runs for: a real
+CUDA tensor is "cuda"; a fake tensor (a memory estimate's trace) is whatever the estimator's ``target`` says
+it stands for. ``ran()`` counts the implementation each call site took, so tests can assert what really ran.
 
-The device test is ``is_cuda(t)`` (not ``t.is_cuda``) and the capability comes from ``capability(dev)``,
-so CPU tests can fake a GPU by monkeypatching them and the kernel functions.
+Switches, read here only: ``MEMFIT_DISABLE=name[,name...]`` turns implementations off by name (e.g.
+``triton``, ``cpu_kernel``, ``mamba_ssm``); ``MEMFIT_SCAN_KERNEL=0`` is the older spelling of
+``MEMFIT_DISABLE=cpu_kernel``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
-import math
+import importlib
+import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
-from memfit.estimate.rules import CudaExtra
-
-KERNELS = {
-    "selective_scan": "mamba_ssm selective_scan_fn",
-    "causal_conv1d": "causal_conv1d_fn",
-    "flash_attn": "flash_attn_func",
-}
 HALF = (torch.float16, torch.bfloat16)
 FLASH_MIN_CAPABILITY = (8, 0)
 FLASH_MAX_HEAD_DIM = 256
 SCAN_MAX_STATE = 256
 CONV_WIDTHS = (2, 3, 4)
-
-_lock = threading.Lock()
-_ran: collections.Counter = collections.Counter()
-_said: set[str] = set()
-_fallbacks: dict[tuple[str, str], int] = {}
+TRITON_MAX_STATE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +53,291 @@ class ProbeResult:
     detail: str  # "matches the PyTorch path (max err 2e-07)" or why it failed
 
 
-_probes: dict[tuple, ProbeResult] = {}
+@dataclasses.dataclass(frozen=True)
+class Impl:
+    """One implementation of an op (see the module docstring)."""
+
+    op: str  # "scan", "conv", "attention"
+    name: str  # what ``ran()`` and `memfit doctor` call it
+    device: str  # "cuda" or "cpu": the device type it runs on
+    priority: int  # higher is tried first; the op's plain torch path is 0 and takes every call
+    load: str  # "module:attribute" of the function in the op's calling convention
+    title: str  # one line for `memfit doctor`
+    problem: Callable[..., str | None] | str | None = None  # None: takes these inputs; else why not
+    probe: str | None = None  # "module:attribute" of the op's probe (fn, device) -> (ok, detail)
+    package: str | None = None  # the optional distribution it comes from (None: memfit and torch)
+    fake: str | None = None  # "module:attribute" whose fake ops stand in for it in an estimate's trace
+    ready: str | None = None  # "module:attribute" of () -> None, or why it cannot run here (a C compiler...)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Preconditions: None when the implementation takes these inputs, else why not
+# ----------------------------------------------------------------------------------------------------
+
+
+def _mamba_scan_problem(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, chunk):
+    """mamba_ssm 2.3.2.post1 (selective_scan.cpp): u, delta (and z, variable B/C) one dtype of fp32/fp16/bf16;
+    A real fp32; shared (dim, N) B/C fp32; D and delta_bias fp32; N <= 256. Its backward ignores the last
+    state's gradient (``SelectiveScanFn.backward(ctx, dout, *args)``), so a call whose last state needs one
+    takes our path, which propagates it."""
+    if u.dtype not in (torch.float32, *HALF):
+        return f"u is {u.dtype}; the kernel takes fp32, fp16 or bf16"
+    if A.dtype != torch.float32:
+        return f"A is {A.dtype}; the kernel takes real fp32 A"
+    for name, t in (("delta", delta), ("z", z)):
+        if t is not None and t.dtype != u.dtype:
+            return f"{name} is {t.dtype} and u {u.dtype}; the kernel needs one dtype"
+    for name, t in (("B", B), ("C", C)):
+        want = torch.float32 if t.dim() == 2 else u.dtype
+        if t.dtype != want:
+            return f"{name} is {t.dtype}, the kernel needs {want} here"
+    for name, t in (("D", D), ("delta_bias", delta_bias)):
+        if t is not None and t.dtype != torch.float32:
+            return f"{name} is {t.dtype}; the kernel takes fp32"
+    if A.shape[1] > SCAN_MAX_STATE:
+        return f"state size {A.shape[1]} > {SCAN_MAX_STATE}"
+    if _last_state_needs_grad(return_last_state, u, delta, A, B, C, D, z, delta_bias):
+        return "the last state needs a gradient, which mamba_ssm's backward drops"
+    return None
+
+
+def _last_state_needs_grad(return_last_state, *tensors) -> bool:
+    return (
+        bool(return_last_state)
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in tensors)
+    )
+
+
+def _triton_scan_problem(u, delta, A, *args) -> str | None:
+    """memfit's Triton scan: fp32, fp16 or bf16 inputs (fp64 takes the torch path), N <= 256."""
+    if u.dtype not in (torch.float32, *HALF):
+        return f"u is {u.dtype}; the Triton scan takes fp32, fp16 or bf16"
+    if A.shape[1] > TRITON_MAX_STATE:
+        return f"state size {A.shape[1]} > {TRITON_MAX_STATE}"
+    return None
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    # causal-conv1d's own test: is_channel_last = x.stride(1) == 1 && x.stride(2) > 1 (the wrapper makes any
+    # x with neither stride 1 contiguous, i.e. L-contiguous)
+    return x.stride(1) == 1 and x.stride(2) > 1
+
+
+def _causal_conv_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """causal_conv1d 1.7.0 (causal_conv1d.cpp): width 2..4; x, weight fp32/fp16/bf16, bias weight's dtype;
+    x (batch, dim, L) either L-contiguous, or channels-last (dim stride 1) with dim % 8 == 0 (its strides
+    must then be multiples of 8: ``memfit.ops.conv.conv_layout`` copies into that layout when they are
+    not)."""
+    width = weight.shape[-1]
+    if width not in CONV_WIDTHS:
+        return f"width {width}; the kernel takes 2 to 4"
+    if x.dtype not in (torch.float32, *HALF) or weight.dtype not in (torch.float32, *HALF):
+        return f"dtypes {x.dtype}/{weight.dtype}; the kernel takes fp32, fp16 or bf16"
+    if bias is not None and bias.dtype != weight.dtype:
+        return f"bias is {bias.dtype} and weight {weight.dtype}"
+    if _channels_last(x) and x.shape[1] % 8:
+        return f"{x.shape[1]} channels in channels-last layout; the kernel needs a multiple of 8"
+    return None
+
+
+def _cpu_conv_problem(x: torch.Tensor, weight: torch.Tensor, bias) -> str | None:
+    return None if x.is_floating_point() else f"x is {x.dtype}; the C kernel takes floating point"
+
+
+def _flash_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> str | None:
+    """flash_attn 2.8.3.post2 (flash_api.cpp): compute capability >= 8.0 (Ampere or newer), fp16/bf16,
+    q/k/v one dtype, head dim <= 256 (same for q, k, v)."""
+    cap = capability(q.device)
+    if tuple(cap) < FLASH_MIN_CAPABILITY:
+        return f"compute capability {cap[0]}.{cap[1]} < 8.0"
+    if q.dtype not in HALF:
+        return f"{q.dtype}; the kernel takes fp16 or bf16"
+    if q.shape[-1] > FLASH_MAX_HEAD_DIM or v.shape[-1] != q.shape[-1]:
+        dims = f"{q.shape[-1]}/{v.shape[-1]}"
+        return f"head dim {dims}; the kernel takes equal head dims <= {FLASH_MAX_HEAD_DIM}"
+    return None
+
+
+# CPU window attention (tools/bench_attention.py --grid, fwd+bwd, 1 thread, L 64..8192, w 16..L/2 against
+# causal SDPA): the band path wins once L >= 16 w (0.04-0.83x); below that SDPA on query blocks of
+# max(w/2, 32) is 0.36-1.03x causal SDPA's time (one masked call at L <= 64).
+BAND_MIN_RATIO = 16
+
+
+def _band_problem(q, k, v, window: int) -> str | None:
+    L = q.shape[-2]
+    return (
+        None if BAND_MIN_RATIO * window <= L else f"L {L} < {BAND_MIN_RATIO} windows: query blocks are faster"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# The records
+# ----------------------------------------------------------------------------------------------------
+
+RECORDS: tuple[Impl, ...] = (
+    # selective scan: fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, chunk_size)
+    Impl("scan", "mamba_ssm", "cuda", 30, "memfit.ops.scan.mamba_ssm:selective_scan",
+         "mamba_ssm's fused CUDA kernel (the torch-op path when the last state needs a gradient)",
+         _mamba_scan_problem, "memfit.ops.scan.ref:probe", "mamba-ssm",
+         fake="memfit.ops.scan.cpu:fused_scan"),
+    Impl("scan", "triton", "cuda", 20, "memfit.ops.scan.triton:selective_scan_triton",
+         "memfit's Triton kernel (chunk states saved, chunks recomputed in backward)",
+         _triton_scan_problem, "memfit.ops.scan.ref:probe", ready="memfit.ops.scan.triton:why_unavailable"),
+    Impl("scan", "cpu_kernel", "cpu", 20, "memfit.ops.scan.cpu:fused_scan",
+         "fused C kernel (memfit/ops/cpu_kernel.c, built on first use)", "memfit.ops.scan.cpu:takes",
+         ready="memfit.ops.cpu_kernel:why_unavailable"),
+    Impl("scan", "torch", "any", 0, "memfit.ops.scan.chunked:chunked_scan", "torch-op chunked scan"),
+    # causal depthwise conv + SiLU: fn(x (batch, d, L), weight (d, 1, k), bias) -> (batch, d, L)
+    Impl("conv", "causal_conv1d", "cuda", 30, "memfit.ops.causal_conv1d:conv_silu",
+         "causal-conv1d (width 2-4, channels a multiple of 8 when channels-last)",
+         _causal_conv_problem, "memfit.ops.conv:probe", "causal-conv1d", fake="memfit.ops.conv:conv_silu"),
+    Impl("conv", "cpu_kernel", "cpu", 20, "memfit.ops.conv:conv_silu",
+         "fused C kernel (memfit/ops/cpu_kernel.c)", _cpu_conv_problem,
+         ready="memfit.ops.cpu_kernel:why_unavailable"),
+    Impl("conv", "torch", "any", 0, "memfit.ops.conv:conv_silu_ref", "PyTorch conv1d (cuDNN on CUDA)"),
+    # a causal window shorter than the sequence: fn(q, k, v, window, scale) -> (B, H, L, D)
+    Impl("attention", "flash", "cuda", 30, "memfit.ops.flash_attn:window_attention",
+         "flash-attn's window (fp16/bf16, head dim <= 256)", _flash_problem,
+         "memfit.ops.attention:probe_flash", "flash-attn", fake="memfit.ops.attention:flash_like"),
+    Impl("attention", "flex", "cuda", 20, "memfit.ops.attention:flex_window", "compiled FlexAttention",
+         fake="memfit.ops.attention:flash_like"),
+    Impl("attention", "band", "cpu", 20, "memfit.ops.attention:band_attention",
+         "the band path (long sequences: L >= 16 windows)", _band_problem),
+    Impl("attention", "blocks", "any", 0, "memfit.ops.attention:sdpa_blocks", "SDPA on query blocks"),
+)  # fmt: skip
+
+OPS = tuple(dict.fromkeys(r.op for r in RECORDS))
+_BY_OP = {op: tuple(sorted((r for r in RECORDS if r.op == op), key=lambda r: -r.priority)) for op in OPS}
+
+
+def records(op: str) -> tuple[Impl, ...]:
+    """The op's records, highest priority first."""
+    return _BY_OP[op]
+
+
+def record_of(op: str, name: str) -> Impl:
+    for r in RECORDS:
+        if r.op == op and r.name == name:
+            return r
+    raise KeyError(f"no implementation {name!r} of {op!r}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading (cached), switches
+# ----------------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_loaded: dict[str, Callable | None] = {}
+_load_errors: dict[str, str] = {}
+
+
+def resolve(spec: str) -> Callable | None:
+    """The function at "module:attribute", or None when its import fails (the reason: ``load_error``)."""
+    if spec not in _loaded:
+        module, _, attr = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except Exception as e:  # noqa: BLE001 - ImportError, OSError (undefined symbol), RuntimeError
+            fn = None
+            _load_errors[spec] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+        _loaded[spec] = fn
+    return _loaded[spec]
+
+
+def load_error(impl: Impl) -> str | None:
+    """Why ``impl`` did not import (None: it did, or was never tried)."""
+    return _load_errors.get(impl.load)
+
+
+def disabled() -> frozenset[str]:
+    """Implementations switched off by the environment (MEMFIT_DISABLE, MEMFIT_SCAN_KERNEL=0)."""
+    names = {n.strip() for n in os.environ.get("MEMFIT_DISABLE", "").split(",") if n.strip()}
+    if os.environ.get("MEMFIT_SCAN_KERNEL", "1") == "0":
+        names.add("cpu_kernel")
+    return frozenset(names)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Devices, and what an estimate's trace stands for
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a memory estimate's fake tensors stand for: a device type and, on CUDA, the optional kernels
+    that run has (names of records with a ``package``; memfit's own implementations are always there)."""
+
+    device: str = "cpu"
+    kernels: frozenset[str] = frozenset()
+
+    def describe(self) -> str:
+        """How a report names the kernels assumed."""
+        extra = sorted(
+            r.package for r in RECORDS if r.package and r.device == self.device and r.name in self.kernels
+        )
+        if self.device != "cuda":
+            return "the CPU's kernels"
+        return "with " + ", ".join(extra) if extra else "without the cuda extra"
+
+
+def extra_kernels() -> frozenset[str]:
+    """Every optional CUDA kernel (the ``cuda`` extra)."""
+    return frozenset(r.name for r in RECORDS if r.package and r.device == "cuda")
+
+
+_target = contextvars.ContextVar[Target | None]("memfit_target", default=None)
+
+
+@contextlib.contextmanager
+def traced_as(target: Target) -> Iterator[None]:
+    """Inside, fake tensors stand for ``target``: call sites choose what a run on that device would, and run
+    the chosen implementation's fake stand-in (the estimator's CUDA target)."""
+    token = _target.set(target)
+    try:
+        yield
+    finally:
+        _target.reset(token)
+
+
+def current_target() -> Target | None:
+    """The target fake tensors stand for now (None: outside an estimate's trace, or not set)."""
+    return None if torch.compiler.is_compiling() else _target.get()
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def device_type(t: torch.Tensor) -> str:
+    """The device type ``t``'s ops run for: its own, but for a fake tensor inside ``traced_as`` the
+    target's."""
+    if _is_fake(t) and (target := current_target()) is not None:
+        return target.device
+    return t.device.type
+
+
+def is_cuda(t: torch.Tensor) -> bool:
+    """Whether t lives on a real CUDA device (a fake tensor never does: an estimate traces on the CPU)."""
+    return t.device.type == "cuda" and not _is_fake(t)
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The CUDA compute capability of ``device``, e.g. (8, 0) for an A100."""
+    return torch.cuda.get_device_capability(device)
 
 
 # ----------------------------------------------------------------------------------------------------
 # What ran (tests and `memfit doctor` read this)
 # ----------------------------------------------------------------------------------------------------
+
+_ran: collections.Counter = collections.Counter()
+_said: set[str] = set()
+_fallbacks: dict[tuple[str, str], int] = {}
+_probes: dict[tuple, ProbeResult] = {}
 
 
 def record(site: str, path: str) -> None:
@@ -82,7 +358,7 @@ def ran(site: str | None = None) -> dict:
 
 
 def fallbacks() -> dict[tuple[str, str], int]:
-    """{(kernel, reason): times} of calls that fell back to the PyTorch path since ``reset()``."""
+    """{(implementation, reason): times} of calls an installed implementation could not take."""
     with _lock:
         return dict(_fallbacks)
 
@@ -97,193 +373,34 @@ def reset(probes: bool = False) -> None:
             _probes.clear()
 
 
-def _fall_back(kernel: str, reason: str) -> None:
-    """Note a fallback; warn once per (kernel, reason)."""
+def _fall_back(impl: Impl, reason: str) -> None:
+    """Note that ``impl`` could not take a call; warn once per (implementation, reason)."""
     if torch.compiler.is_compiling():
         return
-    key = f"{kernel}: {reason}"
+    key = f"{impl.op}/{impl.name}: {reason}"
     with _lock:
-        _fallbacks[(kernel, reason)] = _fallbacks.get((kernel, reason), 0) + 1
+        _fallbacks[(impl.name, reason)] = _fallbacks.get((impl.name, reason), 0) + 1
         new = key not in _said
         _said.add(key)
     if new:
         warnings.warn(
-            f"memfit: {KERNELS[kernel]} not used ({reason}); running the PyTorch path instead",
+            f"memfit: {impl.name} ({impl.op}) not used ({reason}); running the next implementation instead",
             RuntimeWarning,
             stacklevel=4,
         )
 
 
 # ----------------------------------------------------------------------------------------------------
-# Device facts (monkeypatched by CPU tests)
+# Probes and the choice
 # ----------------------------------------------------------------------------------------------------
 
 
-def is_cuda(t: torch.Tensor) -> bool:
-    """Whether t lives on a CUDA device (fake tensors, which memory estimates trace, never do)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return t.is_cuda and not isinstance(t, FakeTensor)
-
-
-def capability(device: torch.device) -> tuple[int, int]:
-    """The CUDA compute capability of ``device``, e.g. (8, 0) for an A100."""
-    return torch.cuda.get_device_capability(device)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Preconditions: None when the kernel takes these inputs, else why not
-# ----------------------------------------------------------------------------------------------------
-
-
-def scan_problem(u, delta, A, B, C, D, z, delta_bias, last_state_grad: bool) -> str | None:
-    """mamba_ssm 2.3.2.post1 (selective_scan.cpp): u, delta (and z, variable B/C) one dtype of fp32/fp16/bf16;
-    A real fp32; shared (dim, N) B/C fp32; D and delta_bias fp32; N <= 256. Its backward ignores the last
-    state's gradient (``SelectiveScanFn.backward(ctx, dout, *args)``), so a call whose last state needs
-    one takes our path, which propagates it."""
-    if u.dtype not in (torch.float32, *HALF):
-        return f"u is {u.dtype}; the kernel takes fp32, fp16 or bf16"
-    if A.dtype != torch.float32:
-        return f"A is {A.dtype}; the kernel takes real fp32 A"
-    for name, t in (("delta", delta), ("z", z)):
-        if t is not None and t.dtype != u.dtype:
-            return f"{name} is {t.dtype} and u {u.dtype}; the kernel needs one dtype"
-    for name, t in (("B", B), ("C", C)):
-        want = torch.float32 if t.dim() == 2 else u.dtype
-        if t.dtype != want:
-            return f"{name} is {t.dtype}, the kernel needs {want} here"
-    for name, t in (("D", D), ("delta_bias", delta_bias)):
-        if t is not None and t.dtype != torch.float32:
-            return f"{name} is {t.dtype}; the kernel takes fp32"
-    if A.shape[1] > SCAN_MAX_STATE:
-        return f"state size {A.shape[1]} > {SCAN_MAX_STATE}"
-    if last_state_grad:
-        return "the last state needs a gradient, which mamba_ssm's backward drops"
-    return None
-
-
-def conv_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
-    """causal_conv1d 1.7.0 (causal_conv1d.cpp): width 2..4; x, weight fp32/fp16/bf16, bias weight's dtype;
-    x (batch, dim, L) either L-contiguous, or channels-last (dim stride 1) with dim % 8 == 0 (its strides
-    must then be multiples of 8: ``conv_layout`` copies into that layout when they are not)."""
-    width = weight.shape[-1]
-    if width not in CONV_WIDTHS:
-        return f"width {width}; the kernel takes 2 to 4"
-    if x.dtype not in (torch.float32, *HALF) or weight.dtype not in (torch.float32, *HALF):
-        return f"dtypes {x.dtype}/{weight.dtype}; the kernel takes fp32, fp16 or bf16"
-    if bias is not None and bias.dtype != weight.dtype:
-        return f"bias is {bias.dtype} and weight {weight.dtype}"
-    if _channels_last(x) and x.shape[1] % 8:
-        return f"{x.shape[1]} channels in channels-last layout; the kernel needs a multiple of 8"
-    return None
-
-
-def _channels_last(x: torch.Tensor) -> bool:
-    # the kernel's own test: is_channel_last = x.stride(1) == 1 && x.stride(2) > 1 (the wrapper makes any
-    # x with neither stride 1 contiguous, i.e. L-contiguous)
-    return x.stride(1) == 1 and x.stride(2) > 1
-
-
-def conv_layout(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel takes it: a channels-last x whose batch/L strides are not multiples of 8 (a view
-    into a wider tensor) is copied into a dense channels-last tensor, whose strides are dim and L*dim."""
-    if _channels_last(x) and (x.stride(0) % 8 or x.stride(2) % 8):
-        return x.transpose(1, 2).contiguous().transpose(1, 2)
-    return x
-
-
-def flash_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """flash_attn 2.8.3.post2 (flash_api.cpp): compute capability >= 8.0 (Ampere or newer), fp16/bf16,
-    q/k/v one dtype, head dim <= 256 (same for q, k, v)."""
-    cap = capability(q.device)
-    if tuple(cap) < FLASH_MIN_CAPABILITY:
-        return f"compute capability {cap[0]}.{cap[1]} < 8.0"
-    if q.dtype not in HALF:
-        return f"{q.dtype}; the kernel takes fp16 or bf16"
-    if q.shape[-1] > FLASH_MAX_HEAD_DIM or v.shape[-1] != q.shape[-1]:
-        dims = f"{q.shape[-1]}/{v.shape[-1]}"
-        return f"head dim {dims}; the kernel takes equal head dims <= {FLASH_MAX_HEAD_DIM}"
-    return None
-
-
-# ----------------------------------------------------------------------------------------------------
-# Probes: one tiny call per (kernel, function, device), compared with our PyTorch path
-# ----------------------------------------------------------------------------------------------------
-
-
-def _gen(device: torch.device) -> torch.Generator:
-    # a private generator: probing must not move the training run's RNG
-    return torch.Generator(device=device).manual_seed(0)
-
-
-def _compare(got: torch.Tensor, want: torch.Tensor, tol: float) -> ProbeResult:
-    got, want = got.float(), want.float()
-    if got.shape != want.shape:
-        return ProbeResult(False, f"shape {tuple(got.shape)} instead of {tuple(want.shape)}")
-    err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
-    if not math.isfinite(err) or err > tol:
-        return ProbeResult(False, f"differs from the PyTorch path (relative max error {err:.2g} > {tol:g})")
-    return ProbeResult(True, f"matches the PyTorch path (relative max error {err:.1g})")
-
-
-def _probe_scan(fn: Callable, device: torch.device) -> ProbeResult:
-    from memfit.ops.scan import selective_scan_ref
-
-    g = _gen(device)
-    batch, dim, L, N = 2, 8, 37, 4
-
-    def r(*shape, scale=1.0):
-        return torch.randn(*shape, generator=g, device=device) * scale
-
-    u, delta, z = r(batch, dim, L), r(batch, dim, L, scale=0.5), r(batch, dim, L)
-    A = -torch.rand(dim, N, generator=g, device=device) - 0.5
-    B, C, D, bias = r(batch, N, L), r(batch, N, L), r(dim), r(dim, scale=0.1)
-    u.requires_grad_(True)
-    out = fn(u, delta, A, B, C, D, z, bias, True, False)
-    (gu,) = torch.autograd.grad(out.float().sum(), u)
-    u_ref = u.detach().requires_grad_(True)
-    ref = selective_scan_ref(u_ref, delta, A, B, C, D, z, bias, True)
-    (gu_ref,) = torch.autograd.grad(ref.sum(), u_ref)
-    res = _compare(out, ref, 1e-3)
-    return res if not res.ok else _compare(gu, gu_ref, 1e-3)
-
-
-def _probe_conv(fn: Callable, device: torch.device) -> ProbeResult:
-    g = _gen(device)
-    batch, dim, L, width = 2, 16, 37, 4
-    # a Mamba block's layout: channels-last, a view of half of the in_proj output
-    x = torch.randn(batch, L, 2 * dim, generator=g, device=device)[..., :dim].transpose(1, 2)
-    w = torch.randn(dim, width, generator=g, device=device)
-    b = torch.randn(dim, generator=g, device=device)
-    x = x.detach().requires_grad_(True)
-    out = fn(conv_layout(x), w, b, activation="silu")
-    (gx,) = torch.autograd.grad(out.float().sum(), x)
-    x_ref = x.detach().requires_grad_(True)
-    ref = F.silu(F.conv1d(x_ref, w.unsqueeze(1), b, padding=width - 1, groups=dim)[..., :L])
-    (gx_ref,) = torch.autograd.grad(ref.sum(), x_ref)
-    res = _compare(out, ref, 1e-3)
-    return res if not res.ok else _compare(gx, gx_ref, 1e-3)
-
-
-def _probe_flash(fn: Callable, device: torch.device) -> ProbeResult:
-    from memfit.ops.attention import attention_ref
-
-    g = _gen(device)
-    batch, L, heads, hd, window = 2, 40, 2, 64, 8
-    q, k, v = (torch.randn(batch, L, heads, hd, generator=g, device=device).to(torch.bfloat16)
-               for _ in range(3))  # fmt: skip
-    out = fn(q, k, v, causal=True, window_size=(window - 1, 0))
-    ref = attention_ref(*(t.float().transpose(1, 2) for t in (q, k, v)), window=window).transpose(1, 2)
-    return _compare(out, ref, 2e-2)
-
-
-_PROBES = {"selective_scan": _probe_scan, "causal_conv1d": _probe_conv, "flash_attn": _probe_flash}
-
-
-def _run_probe(kernel: str, fn: Callable, device: torch.device) -> ProbeResult:
+def _run_probe(impl: Impl, fn: Callable, device: torch.device) -> ProbeResult:
     try:
+        check = resolve(impl.probe)
         with torch.autocast(device.type, enabled=False), torch.enable_grad():
-            return _PROBES[kernel](fn, device)
+            ok, detail = check(fn, device)
+        return ProbeResult(ok, detail)
     except Exception as e:  # noqa: BLE001 - any failure of the kernel means: do not use it
         first = (str(e).strip().splitlines() or [""])[0][:200]
         return ProbeResult(False, f"the test call failed: {type(e).__name__}: {first}")
@@ -292,86 +409,120 @@ def _run_probe(kernel: str, fn: Callable, device: torch.device) -> ProbeResult:
 _run_probe_outside_compile = torch.compiler.disable(_run_probe)
 
 
-def probe(kernel: str, fn: Callable | None, device) -> ProbeResult:
-    """The cached probe of ``fn`` (the kernel's function, None when it did not import) on ``device``."""
+def probe(impl: Impl, device) -> ProbeResult:
+    """The cached probe of ``impl`` on ``device`` (passes for a record without a probe, when it imports)."""
+    fn = resolve(impl.load)
     if fn is None:
-        return ProbeResult(False, "not installed (its import failed)")
+        return ProbeResult(False, f"not installed (its import failed: {load_error(impl)})")
+    if impl.probe is None:
+        return ProbeResult(True, "no probe needed (tested against the reference in the suite)")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (kernel, id(fn), str(device))
+    key = (impl.op, impl.name, id(fn), str(device))
     res = _probes.get(key)
     if res is None:
-        res = _run_probe_outside_compile(kernel, fn, device)
+        res = _run_probe_outside_compile(impl, fn, device)
         _probes[key] = res
     return res
 
 
-# ----------------------------------------------------------------------------------------------------
-# Dispatch decisions (each records the path it chose)
-# ----------------------------------------------------------------------------------------------------
+def choose(
+    op: str, *args, device: torch.device | None = None, kernels: bool = True, count: bool = True
+) -> tuple[Impl, Callable]:
+    """The implementation of ``op`` that takes this call, and the function to call (recorded in ``ran``).
+
+    ``args`` are the call's arguments in the op's calling convention (the first is a tensor of the call);
+    ``kernels=False`` keeps every implementation but the plain torch one out. Inside ``traced_as``, fake
+    tensors stand for the target's device: only the optional kernels it names are candidates, nothing is
+    probed, and a kernel with a ``fake`` stand-in runs that stand-in's fake ops. ``count=False``: not
+    recorded in ``ran`` (a question, not a call)."""
+    first = args[0]
+    dev = device_type(first)
+    target = current_target() if _is_fake(first) else None
+    for impl in records(op):
+        if impl.device not in (dev, "any") or (impl.priority > 0 and not kernels) or _switched_off(impl.name):
+            continue
+        if target is not None and impl.package and impl.name not in target.kernels:
+            continue
+        if target is not None and impl.fake:  # a stand-in's fake ops trace it: it need not be installed here
+            fn = resolve(impl.fake)
+        else:
+            fn = resolve(impl.load)
+            if fn is None or not _ready(impl.op, impl.name):
+                continue
+        problem = _problem(impl, args)
+        if problem is None and target is None and impl.probe is not None:
+            res = probe(impl, device if device is not None else first.device)
+            if not res.ok:
+                problem = f"its probe on {first.device}: {res.detail}"
+        if problem is not None:
+            if impl.probe is not None and target is None:  # a kernel that could not take it: say so once
+                _fall_back(impl, problem)
+            continue
+        if count:
+            record(op, impl.name)
+        return impl, fn
+    raise RuntimeError(f"memfit: no implementation of {op} takes this call")  # torch's always does
 
 
-def _decide(site: str, kernel: str, path: str, fn: Callable | None, device, problem: str | None) -> bool:
-    if fn is None:
-        record(site, "torch")
-        return False
-    if problem is None:
-        res = probe(kernel, fn, device)
-        if res.ok:
-            record(site, path)
-            return True
-        problem = f"its probe on {device}: {res.detail}"
-    _fall_back(kernel, problem)
-    record(site, "torch")
-    return False
+def _problem(impl: Impl, args: tuple) -> str | None:
+    check = resolve(impl.problem) if isinstance(impl.problem, str) else impl.problem
+    return None if check is None else check(*args)
 
 
-def use_scan(fn, u, delta, A, B, C, D, z, delta_bias, return_last_state: bool) -> bool:
-    """Whether mamba_ssm's scan takes this CUDA call (records "mamba_ssm" or "torch" for "scan")."""
-    last_grad = (
-        bool(return_last_state)
-        and torch.is_grad_enabled()
-        and any(t is not None and t.requires_grad for t in (u, delta, A, B, C, D, z, delta_bias))
-    )
-    problem = None if fn is None else scan_problem(u, delta, A, B, C, D, z, delta_bias, last_grad)
-    return _decide("scan", "selective_scan", "mamba_ssm", fn, u.device, problem)
+def why_not_ready(impl: Impl) -> str | None:
+    """None when ``impl`` can run here beyond importing (its ``ready`` check), else why not."""
+    if impl.ready is None:
+        return None
+    check = resolve(impl.ready)
+    return "its readiness check did not import" if check is None else check()
 
 
-def use_conv(fn, x, weight, bias) -> bool:
-    """Whether causal_conv1d takes this CUDA call (records "causal_conv1d" or "torch" for "conv")."""
-    problem = None if fn is None else conv_problem(x, weight, bias)
-    return _decide("conv", "causal_conv1d", "causal_conv1d", fn, x.device, problem)
+# torch.compile takes these two as constants: they read the environment, the file system and build caches,
+# which it cannot trace, and a compiled graph keeps the implementation it was traced with
+@torch.compiler.assume_constant_result
+def _ready(op: str, name: str) -> bool:
+    return why_not_ready(record_of(op, name)) is None
 
 
-def flash_ok(fn, q, k, v) -> bool:
-    """Whether flash-attn may take this CUDA call (records nothing: attention records the path it runs)."""
-    if fn is None:
-        return False
-    problem = flash_problem(q, k, v)
-    if problem is None:
-        res = probe("flash_attn", fn, q.device)
-        if res.ok:
-            return True
-        problem = f"its probe on {q.device}: {res.detail}"
-    _fall_back("flash_attn", problem)
-    return False
+@torch.compiler.assume_constant_result
+def _switched_off(name: str) -> bool:
+    return name in disabled()
 
 
-def cuda_extra(device=None) -> CudaExtra:
-    """The ``cuda`` extra's Mamba kernels a run on this CUDA device uses (each installed and its probe
-    passed): what its memory pre-flight estimates with (``memfit.estimate.rules.CudaExtra``)."""
-    from memfit.ops import mamba
-    from memfit.ops import scan as ssm
+def usable(op: str, device: torch.device) -> list[tuple[Impl, str]]:
+    """Each record of ``op`` for ``device``'s type with a verdict: "probe passed", "not installed" ...
+    (what `memfit doctor` prints; probes run on a real device)."""
+    out = []
+    off = disabled()
+    for impl in records(op):
+        if impl.device not in (device.type, "any"):
+            continue
+        if impl.name in off:
+            out.append((impl, "switched off (MEMFIT_DISABLE / MEMFIT_SCAN_KERNEL)"))
+            continue
+        fn = resolve(impl.load)
+        if fn is None:
+            out.append((impl, f"not available: {load_error(impl)}"))
+        elif (why := why_not_ready(impl)) is not None:
+            out.append((impl, "not available: " + why))
+        elif impl.probe is not None and device.type == "cuda":
+            res = probe(impl, device)
+            out.append((impl, ("probe passed: " if res.ok else "probe FAILED: ") + res.detail))
+        else:
+            out.append((impl, "available"))
+    return out
 
-    device = torch.device("cuda") if device is None else torch.device(device)
-    return CudaExtra(
-        scan=probe("selective_scan", ssm._mamba_scan_fn, device).ok,
-        conv=probe("causal_conv1d", mamba._causal_conv1d_fn, device).ok,
-    )
+
+def kernels_on(device) -> frozenset[str]:
+    """The optional CUDA kernels a run on this CUDA device uses (installed, probe passed): what its memory
+    pre-flight estimates with (``Target.kernels``)."""
+    device = torch.device(device)
+    return frozenset(r.name for r in RECORDS if r.package and r.device == "cuda" and probe(r, device).ok)
 
 
-def cuda_extra_here() -> CudaExtra:
-    """What a CUDA estimate assumes unless told: on a machine with a GPU, what ``cuda_extra`` finds there;
+def kernels_assumed_here() -> frozenset[str]:
+    """What a CUDA estimate assumes unless told: on a machine with a GPU, what ``kernels_on`` finds there;
     without one, the extra installed and working (the README's GPU setup; ``--no_cuda_kernels``: not)."""
-    return cuda_extra() if torch.cuda.is_available() else CudaExtra()
+    return kernels_on("cuda") if torch.cuda.is_available() else extra_kernels()

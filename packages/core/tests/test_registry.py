@@ -10,8 +10,9 @@ from memfit.ops import attention as A
 from memfit.ops import mamba as M
 from memfit.ops import registry as probes
 from memfit.ops import scan as ssm
+from memfit.ops.conv import conv_layout
 
-from tests.fake_kernels import fake_conv, fake_flash, fake_scan
+from tests.fake_kernels import fake_conv, fake_flash, fake_gpu, fake_scan, install
 
 
 @pytest.fixture(autouse=True)
@@ -24,11 +25,7 @@ def _fresh():
 @pytest.fixture
 def gpu(monkeypatch):
     """CPU tensors treated as CUDA tensors of an sm80 GPU; tests set the kernels they fake."""
-    monkeypatch.setattr(probes, "is_cuda", lambda t: True)
-    monkeypatch.setattr(probes, "capability", lambda device: (8, 0))
-    monkeypatch.setattr(ssm, "_mamba_scan_fn", None)
-    monkeypatch.setattr(M, "_causal_conv1d_fn", None)
-    monkeypatch.setattr(A, "_flash_attn_func", None)
+    fake_gpu(monkeypatch)
     return monkeypatch
 
 
@@ -50,7 +47,7 @@ def qkv(dtype=torch.bfloat16, d=32, L=48):
 
 
 def test_flash_runs_when_installed_probed_and_preconditions_hold(gpu):
-    gpu.setattr(A, "_flash_attn_func", fake_flash)
+    install(gpu, "flash", fake_flash)
     q, k, v = qkv()
     out, said = warnings_of(lambda: A.attention(q, k, v, window=8))
     assert said == []
@@ -68,17 +65,17 @@ def test_flash_runs_when_installed_probed_and_preconditions_hold(gpu):
     ],
 )
 def test_flash_preconditions_choose_flex_and_say_so_once(gpu, cap, dtype, d, why):
-    gpu.setattr(A, "_flash_attn_func", fake_flash)
+    install(gpu, "flash", fake_flash)
     gpu.setattr(probes, "capability", lambda device: cap)
     q, k, v = qkv(dtype, d)
     paths, said = warnings_of(lambda: [A.select_backend(q, k, v, window=8) for _ in range(3)])
     assert paths == ["flex"] * 3
-    assert len(said) == 1 and why in said[0] and "flash_attn_func not used" in said[0], said
+    assert len(said) == 1 and why in said[0] and "flash (attention) not used" in said[0], said
     assert sum(probes.fallbacks().values()) == 3
 
 
 def test_forced_flash_refuses_what_it_cannot_run(gpu):
-    gpu.setattr(A, "_flash_attn_func", fake_flash)
+    install(gpu, "flash", fake_flash)
     gpu.setattr(probes, "capability", lambda device: (7, 5))
     q, k, v = qkv()
     with pytest.raises(ValueError, match="compute capability 7.5"):
@@ -86,7 +83,7 @@ def test_forced_flash_refuses_what_it_cannot_run(gpu):
 
 
 def test_a_flash_that_computes_something_else_fails_its_probe(gpu):
-    gpu.setattr(A, "_flash_attn_func", lambda q, k, v, **kw: fake_flash(q, k, v, **kw) * 1.5)
+    install(gpu, "flash", lambda q, k, v, **kw: fake_flash(q, k, v, **kw) * 1.5)
     q, k, v = qkv()
     paths, said = warnings_of(lambda: [A.select_backend(q, k, v, window=8) for _ in range(2)])
     assert paths == ["flex", "flex"]
@@ -94,7 +91,7 @@ def test_a_flash_that_computes_something_else_fails_its_probe(gpu):
 
 
 def test_no_gpu_no_flash(monkeypatch):
-    monkeypatch.setattr(A, "_flash_attn_func", fake_flash)
+    install(monkeypatch, "flash", fake_flash)
     q, k, v = qkv()
     assert A.select_backend(q, k, v, window=8) in ("blocks", "band")
 
@@ -118,8 +115,8 @@ def run_block(m, x):
 
 
 def test_mamba_block_runs_both_kernels_and_matches_the_pytorch_path(gpu):
-    gpu.setattr(ssm, "_mamba_scan_fn", fake_scan)
-    gpu.setattr(M, "_causal_conv1d_fn", fake_conv)
+    install(gpu, "mamba_ssm", fake_scan)
+    install(gpu, "causal_conv1d", fake_conv)
     m, x = block()
     (y, gx), said = warnings_of(lambda: run_block(m, x))
     assert said == []
@@ -138,14 +135,14 @@ def test_conv_kernel_gets_the_layout_it_needs(gpu):
         seen.append(x.stride())
         return fake_conv(x, weight, bias, activation)
 
-    gpu.setattr(M, "_causal_conv1d_fn", conv)
+    install(gpu, "causal_conv1d", conv)
     m, x = block(d_model=12)  # 24 channels: the in_proj half is channels-last with odd-multiple strides
     run_block(m, x)
     assert probes.ran("conv") == {"causal_conv1d": 1}
     # the block's channels-last view (strides (24*48, 1, 48)) is fine as it is
     assert seen[-1][1] == 1 and seen[-1][0] % 8 == 0 and seen[-1][2] % 8 == 0
     x = torch.randn(2, 10, 27)[..., :24].transpose(1, 2)  # channels-last, strides not multiples of 8
-    y = probes.conv_layout(x)
+    y = conv_layout(x)
     assert y.stride(1) == 1 and y.stride(0) % 8 == 0 and y.stride(2) % 8 == 0 and torch.equal(x, y)
 
 
@@ -159,19 +156,19 @@ def test_conv_kernel_gets_the_layout_it_needs(gpu):
     ],
 )
 def test_conv_preconditions_choose_the_pytorch_path_and_say_so_once(gpu, kw, why):
-    gpu.setattr(M, "_causal_conv1d_fn", fake_conv)
+    install(gpu, "causal_conv1d", fake_conv)
     m, x = block(**kw)
     _, said = warnings_of(lambda: [run_block(m, x) for _ in range(2)])
     assert probes.ran("conv") == {"torch": 2}
-    assert len(said) == 1 and why in said[0] and "causal_conv1d_fn not used" in said[0], said
+    assert len(said) == 1 and why in said[0] and "causal_conv1d (conv) not used" in said[0], said
 
 
 def test_scan_preconditions_choose_the_pytorch_path(gpu):
-    gpu.setattr(ssm, "_mamba_scan_fn", fake_scan)
+    install(gpu, "mamba_ssm", fake_scan)
     m, x = block(dtype=torch.float64)
     _, said = warnings_of(lambda: run_block(m, x))
     assert probes.ran("scan") == {"torch": 1}
-    assert len(said) == 1 and "torch.float64" in said[0] and "selective_scan_fn not used" in said[0]
+    assert len(said) == 1 and "torch.float64" in said[0] and "mamba_ssm (scan) not used" in said[0]
 
 
 def scan_args(requires_grad=True, dtype=torch.float32):
@@ -184,7 +181,7 @@ def scan_args(requires_grad=True, dtype=torch.float32):
 
 
 def test_last_state_gradient_takes_the_path_that_propagates_it(gpu):
-    gpu.setattr(ssm, "_mamba_scan_fn", fake_scan)
+    install(gpu, "mamba_ssm", fake_scan)
     u, delta, A_, B, C = scan_args()
     (out, last), said = warnings_of(lambda: ssm.selective_scan(u, delta, A_, B, C, return_last_state=True))
     assert probes.ran("scan") == {"torch": 1}
@@ -203,7 +200,7 @@ def test_last_state_gradient_takes_the_path_that_propagates_it(gpu):
 
 
 def test_scan_mixed_dtypes_fall_back(gpu):
-    gpu.setattr(ssm, "_mamba_scan_fn", fake_scan)
+    install(gpu, "mamba_ssm", fake_scan)
     u, delta, A_, B, C = scan_args(requires_grad=False)
     _, said = warnings_of(lambda: ssm.selective_scan(u, delta.bfloat16(), A_, B, C))
     assert probes.ran("scan") == {"torch": 1} and "delta is torch.bfloat16" in said[0]
@@ -214,12 +211,12 @@ def test_a_mamba_ssm_without_its_compiled_kernel_is_unusable(gpu):
     def no_kernel(*args, **kwargs):
         raise RuntimeError("selective_scan_cuda is not installed. To use Mamba-1, reinstall with: ...")
 
-    gpu.setattr(ssm, "_mamba_scan_fn", no_kernel)
+    install(gpu, "mamba_ssm", no_kernel)
     u, delta, A_, B, C = scan_args()
     _, said = warnings_of(lambda: [ssm.selective_scan(u, delta, A_, B, C) for _ in range(3)])
     assert probes.ran("scan") == {"torch": 3}
     assert len(said) == 1 and "RuntimeError: selective_scan_cuda is not installed" in said[0]
-    res = probes.probe("selective_scan", no_kernel, "cpu")
+    res = probes.probe(probes.record_of("scan", "mamba_ssm"), "cpu")
     assert not res.ok
 
 
@@ -230,7 +227,7 @@ def test_probes_are_cached_and_leave_the_rng_alone(gpu):
         calls.append(1)
         return fake_scan(*args, **kwargs)
 
-    gpu.setattr(ssm, "_mamba_scan_fn", counting)
+    install(gpu, "mamba_ssm", counting)
     u, delta, A_, B, C = scan_args(requires_grad=False)
     torch.manual_seed(123)
     before = torch.get_rng_state()
@@ -247,7 +244,14 @@ def test_no_kernels_installed_is_quiet(gpu):
     assert probes.ran() == {("conv", "torch"): 1, ("scan", "torch"): 1}
 
 
-def test_cpu_records_nothing_for_the_cuda_sites():
+def test_cpu_never_takes_a_cuda_implementation(monkeypatch):
+    for name in ("mamba_ssm", "causal_conv1d", "flash"):
+        install(
+            monkeypatch, name, {"mamba_ssm": fake_scan, "causal_conv1d": fake_conv, "flash": fake_flash}[name]
+        )
     m, x = block()
     run_block(m, x)
-    assert probes.ran("scan") == {} and probes.ran("conv") == {}
+    q, k, v = qkv()
+    A.attention(q, k, v, window=8)
+    cpu = {r.name for r in probes.RECORDS if r.device in ("cpu", "any")}
+    assert {path for (_, path) in probes.ran()} <= cpu
