@@ -1,13 +1,21 @@
 """Repository-wide pytest setup: the repo root is importable, so cross-system tests share `tests/systems.py`;
-and a selected `cuda` test FAILS on a machine where CUDA does not work, so a GPU job cannot be green while
-testing nothing. (The default `-m 'not slow and not cuda'` deselects them; `pytest -m cuda` selects them.)"""
+the Triton interpreter runs Triton kernels where there is no GPU; and a selected `cuda` test FAILS on a
+machine where CUDA does not work, so a GPU job cannot be green while testing nothing. (The default
+`-m 'not slow and not cuda'` deselects them; `pytest -m cuda` selects them.)"""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Without a GPU, Triton's interpreter runs memfit's Triton kernels on CPU tensors (tests/test_scan_triton.py);
+# triton reads this when a kernel is defined, so it is set before anything imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.hookimpl(wrapper=True)

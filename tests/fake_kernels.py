@@ -26,15 +26,19 @@ def fake_flash(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
 # signatures) to the registry's calling conventions.
 SPECS = {
     "mamba_ssm": "memfit.ops.scan.mamba_ssm:selective_scan",
-    "triton": "memfit.ops.scan.triton:selective_scan_triton",
+    "triton": "memfit.ops.scan.triton:scan",
     "causal_conv1d": "memfit.ops.causal_conv1d:conv_silu",
     "flash": "memfit.ops.flash_attn:window_attention",
 }
 
 
 def _adapt(name, fn):
-    if fn is None or name == "triton":
+    if fn is None:
         return fn
+    if name == "triton":  # selective_scan_triton's own signature
+        return lambda u, delta, A_, B, C, D, z, bias, sp, last, chunk: fn(
+            u, delta, A_, B, C, D, z, bias, sp, last, chunk_size=chunk
+        )
     if name == "mamba_ssm":
         return lambda u, delta, A_, B, C, D, z, bias, sp, last, chunk: fn(
             u, delta, A_, B, C, D, z, bias, sp, last

@@ -155,15 +155,15 @@ def test_a_signal_repeated_within_a_second_still_saves(tmp_path):
         textwrap.dedent(f"""
         import time, torch
         from memfit.train.loop import Trainer
-        from memfit.train.settings import LoopConfig
+        from memfit.train.settings import LoopConfig, TrainRun
         model = torch.nn.Linear(2, 1)
         def loss(m, b):
             print("step", flush=True)
             time.sleep(0.6)
             return m(b).pow(2).mean()
         cfg = LoopConfig(steps=100, amp="none", progress=False, device="cpu", save_every=0, preflight=False)
-        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss, lambda s, m: torch.ones(4, 2), cfg,
-                run_dir={str(tmp_path / "run")!r}).fit()
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loss, lambda s, m: torch.ones(4, 2),
+                TrainRun.of(cfg), run_dir={str(tmp_path / "run")!r}).fit()
     """)
     )
     pipe = subprocess.PIPE
@@ -234,7 +234,7 @@ def console_path(name: str) -> str:
 def test_real_out_of_memory_and_a_non_finite_loss_are_one_line_naming_the_intact_checkpoint(tmp_path):
     from memfit.errors import UsageError
     from memfit.train.loop import Trainer
-    from memfit.train.settings import LoopConfig
+    from memfit.train.settings import LoopConfig, TrainRun
 
     def run(fail_at, failure, name):
         model = torch.nn.Linear(2, 1)
@@ -249,7 +249,9 @@ def test_real_out_of_memory_and_a_non_finite_loss_are_one_line_naming_the_intact
 
         cfg = LoopConfig(steps=10, amp="none", progress=False, device="cpu", save_every=2, preflight=False)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        t = Trainer(model, opt, loss, lambda s, m: torch.ones(4, 2), cfg, run_dir=tmp_path / name)
+        t = Trainer(
+            model, opt, loss, lambda s, m: torch.ones(4, 2), TrainRun.of(cfg), run_dir=tmp_path / name
+        )
         t.fit()
 
     oom = RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from memfit.errors import UsageError
 from memfit.system import available_systems
 from memfit_report.main import fit_exponent, main
 
@@ -33,7 +34,7 @@ def test_report_writes_table_json_and_plots(tmp_path):
 
 
 def test_report_rejects_unknown_system(tmp_path):
-    with pytest.raises(SystemExit, match="unknown system"):
+    with pytest.raises(UsageError, match="unknown system"):
         main(["--system", "nope", "--out", str(tmp_path)])
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from memfit import cli
+from memfit.errors import UsageError
 from memfit.system import available_systems
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -28,14 +29,14 @@ def test_pick_system_rules(monkeypatch):
     monkeypatch.setattr(cli, "_uv_run_package", lambda: None)
     assert cli.pick_system(["--system", "beta", "--steps", "3"]) == ("beta", ["--steps", "3"])
     assert cli.pick_system(["--system=alpha"]) == ("alpha", [])
-    with pytest.raises(SystemExit, match="Installed: alpha, beta"):
+    with pytest.raises(UsageError, match="Installed: alpha, beta"):
         cli.pick_system(["--steps", "3"])
-    with pytest.raises(SystemExit, match="unknown system 'gamma'"):
+    with pytest.raises(UsageError, match="unknown system 'gamma'"):
         cli.pick_system(["--system", "gamma"])
     monkeypatch.setattr(cli, "_uv_run_package", lambda: "beta")  # `uv run --package beta train`
     assert cli.pick_system(["-h"]) == ("beta", ["-h"])
     monkeypatch.setattr(cli, "_uv_run_package", lambda: "memfit-core")  # a package that is no system
-    with pytest.raises(SystemExit, match="which system"):
+    with pytest.raises(UsageError, match="which system"):
         cli.pick_system([])
     monkeypatch.setattr(cli, "available_systems", lambda: {"alpha": None})
     assert cli.pick_system([]) == ("alpha", [])

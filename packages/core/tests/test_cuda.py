@@ -18,7 +18,7 @@ from memfit.ops.mamba import Mamba, MambaConfig
 from memfit.ops.scan import selective_scan, selective_scan_ref
 from memfit.train.checkpoint import list_checkpoints
 from memfit.train.loop import Trainer, WarmupCosine, step_generator
-from memfit.train.settings import LoopConfig
+from memfit.train.settings import LoopConfig, TrainRun
 from torch import nn
 
 pytestmark = pytest.mark.cuda
@@ -138,8 +138,8 @@ def _trainer(run_dir, steps, resume=False, compile=False, amp="bf16"):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     cfg = LoopConfig(steps=steps, amp=amp, save_every=3, keep_last=2, progress=False, log_every=1,
                      device="cuda", compile=compile, preflight=False)  # fmt: skip
-    return Trainer(model, opt, loss_fn, make_batch, cfg, lr_schedule=WarmupCosine(2, total_steps=8),
-                   config={}, run_dir=run_dir, resume=resume)  # fmt: skip
+    return Trainer(model, opt, loss_fn, make_batch, TrainRun.of(cfg, resume=resume),
+                   lr_schedule=WarmupCosine(2, total_steps=8), config={}, run_dir=run_dir)  # fmt: skip
 
 
 def test_resume_on_cuda_gives_identical_weights(tmp_path):
@@ -177,7 +177,7 @@ DDP_SCRIPT = textwrap.dedent(
     from memfit.ops import registry as probes
     from memfit.train.distributed import dist_info
     from memfit.train.loop import Trainer
-    from memfit.train.settings import LoopConfig
+    from memfit.train.settings import LoopConfig, TrainRun
     from test_cuda import MambaNet, loss_fn, make_batch
 
     info = dist_info()
@@ -186,7 +186,7 @@ DDP_SCRIPT = textwrap.dedent(
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     cfg = LoopConfig(steps=4, amp="none", progress=False, grad_clip=0, device="cuda", preflight=False)
     get = lambda s, m: make_batch(s, m, batch=8, rank=info.rank, world=info.world_size)
-    t = Trainer(model, opt, loss_fn, get, cfg, run_dir={run_dir!r})
+    t = Trainer(model, opt, loss_fn, get, TrainRun.of(cfg), run_dir={run_dir!r})
     t.fit()
     assert next(t.raw_model.parameters()).device == torch.device("cuda", info.local_rank)
     assert probes.ran("scan") == {{"mamba_ssm": 4}}, probes.ran()

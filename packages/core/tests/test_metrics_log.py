@@ -9,7 +9,7 @@ import torch
 from memfit.errors import UsageError
 from memfit.train.loop import Trainer, step_generator
 from memfit.train.metrics_log import MetricsLog
-from memfit.train.settings import LoopConfig
+from memfit.train.settings import LoopConfig, TrainRun
 from torch import nn
 
 
@@ -24,8 +24,8 @@ def _trainer(run_dir, steps, **loop):
     resume = loop.pop("resume", False)
     cfg = LoopConfig(steps=steps, log_every=1, save_every=2, amp="none", progress=False, device="cpu", **loop)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
-                   lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), batch, cfg, run_dir=run_dir,
-                   resume=resume)  # fmt: skip
+                   lambda m, b: (m(b[0]) - b[1]).pow(2).mean(), batch, TrainRun.of(cfg, resume=resume),
+                   run_dir=run_dir)  # fmt: skip
 
 
 def test_tensorboard_without_the_extra_is_one_line(tmp_path, monkeypatch):

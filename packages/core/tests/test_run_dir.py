@@ -13,7 +13,7 @@ import torch
 from memfit.errors import UsageError, run_command
 from memfit.train.checkpoint import list_checkpoints
 from memfit.train.loop import Trainer, step_generator
-from memfit.train.settings import LoopConfig
+from memfit.train.settings import LoopConfig, TrainRun
 from torch import nn
 
 
@@ -34,7 +34,9 @@ def trainer(run_dir, steps=6, width=4, system="toy", loss=loss_fn, **loop):
     cfg = dict(steps=steps, save_every=3, keep_last=3, log_every=1, amp="none", progress=False, device="cpu")
     cfg.update(loop)
     run = {k: cfg.pop(k) for k in ("resume", "overwrite") if k in cfg}
-    return Trainer(model, opt, loss, make_batch, LoopConfig(**cfg), system=system, run_dir=run_dir, **run)
+    return Trainer(
+        model, opt, loss, make_batch, TrainRun.of(LoopConfig(**cfg), system=system, **run), run_dir=run_dir
+    )
 
 
 def metric_steps(run_dir):

@@ -83,18 +83,13 @@ def train_main(argv: list[str] | None = None) -> dict:
         torch.optim.SGD(model.parameters(), lr=run.settings.train.lr),
         lambda m, b: (m(b[0]) - b[1]).pow(2).mean(),
         lambda step, micro: batch(loop.seed, step),
-        loop,
+        run,
         eval_fn=lambda m: {"val_mse": mse(m)},
         eval_every=10,
         best_metric="val_mse",
         best_mode="min",
         config=cfg,
         meta={"preset": run.preset},
-        system=NAME,
-        settings=run.settings,
-        preset=run.preset,
-        resume=run.resume,
-        overwrite=run.overwrite,
     )
     return trainer.fit()
 

@@ -18,7 +18,7 @@ from memfit.train.checkpoint import (
     save_checkpoint,
 )
 from memfit.train.loop import Progress, Trainer, WarmupCosine, step_generator
-from memfit.train.settings import LoopConfig
+from memfit.train.settings import LoopConfig, TrainRun
 from torch import nn
 
 TRUE_W = torch.linspace(-1, 1, 16)
@@ -63,8 +63,9 @@ def build(tmp_path, steps, resume=False, amp="none", grad_accum=1, save_every=3,
         ema=ema,
         max_minutes=max_minutes,
     )
-    return Trainer(model, opt, loss_fn, make_batch, cfg, lr_schedule=WarmupCosine(2, total_steps=10),
-                   config={"width": 32}, run_dir=tmp_path, resume=resume)  # fmt: skip
+    run = TrainRun.of(cfg, resume=resume)
+    return Trainer(model, opt, loss_fn, make_batch, run, lr_schedule=WarmupCosine(2, total_steps=10),
+                   config={"width": 32}, run_dir=tmp_path)  # fmt: skip
 
 
 def test_resume_after_interruption_gives_identical_weights(tmp_path):
@@ -138,7 +139,7 @@ def test_grad_accumulation_equals_bigger_batch(tmp_path):
 
         cfg = LoopConfig(steps=3, grad_accum=accum, amp="none", progress=False, grad_clip=0, device="cpu")
         loss = lambda m, b: (m(b[0]).squeeze(-1) - b[1]).pow(2).mean()  # noqa: E731
-        Trainer(model, opt, loss, get, cfg, run_dir=tmp_path / sub).fit()
+        Trainer(model, opt, loss, get, TrainRun.of(cfg), run_dir=tmp_path / sub).fit()
         return torch.cat([p.detach().flatten() for p in model.parameters()])
 
     torch.testing.assert_close(run(2, 16, "a"), run(1, 32, "b"), atol=1e-6, rtol=0)
@@ -167,7 +168,7 @@ DDP_SCRIPT = textwrap.dedent(
     from torch import nn
     from memfit.train.distributed import dist_info
     from memfit.train.loop import Trainer
-    from memfit.train.settings import LoopConfig
+    from memfit.train.settings import LoopConfig, TrainRun
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     sys.path.insert(0, {testdir!r})
     from test_training import make_batch
@@ -180,7 +181,7 @@ DDP_SCRIPT = textwrap.dedent(
                      grad_accum={accum}, compile={compile})
     get = lambda s, m: make_batch(s, m, batch=32 // {accum}, rank=info.rank, world=info.world_size)
     loss = lambda m, b: (m(b[0]).squeeze(-1) - b[1]).pow(2).mean()
-    t = Trainer(model, opt, loss, get, cfg, run_dir={run_dir!r})
+    t = Trainer(model, opt, loss, get, TrainRun.of(cfg), run_dir={run_dir!r})
     reduces = [0]
 
     def count(state, bucket):  # every gradient all-reduce DDP starts
@@ -413,4 +414,4 @@ def test_best_mode_min_and_checkpoint_candidates_without_best(tmp_path):
     (tmp_path / "best.pt").unlink()
     assert checkpoint_candidates(tmp_path, "best")[0].name == "ckpt_0000006.pt"  # no best.pt: the newest
     with pytest.raises(ValueError, match="best_mode"):
-        Trainer(nn.Linear(1, 1), None, None, None, LoopConfig(device="cpu"), best_mode="up")
+        Trainer(nn.Linear(1, 1), None, None, None, TrainRun.of(LoopConfig(device="cpu")), best_mode="up")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from ginr_cifar import eval as ginr_eval
 from ginr_cifar import train as ginr_train
+from memfit.errors import UsageError
 from memfit.train.checkpoint import list_checkpoints, load_checkpoint
 from PIL import Image
 
@@ -75,11 +76,11 @@ def test_ginr_profile_mode(tmp_path, capsys):
 
 def test_ginr_cli_errors_are_clear(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit, match="no images found"):
+    with pytest.raises(UsageError, match="no images found"):
         _train(tmp_path, "x", "--data", str(tmp_path / "empty"), "--steps", "1")
-    with pytest.raises(SystemExit, match="num_sample_coords"):
+    with pytest.raises(UsageError, match="num_sample_coords"):
         _train(tmp_path, "x", "--num_sample_coords", "5000", "--steps", "1")
-    with pytest.raises(SystemExit, match="no run .*nothing_here"):
+    with pytest.raises(UsageError, match="no run .*nothing_here"):
         ginr_eval.main(["--run", str(tmp_path / "nothing_here"), "--device", "cpu"])
 
 

@@ -12,6 +12,7 @@ import torch
 from gpt2_window.eval import run as eval_run
 from gpt2_window.sample import run as generate_run
 from gpt2_window.train import run as train_run
+from memfit.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[3]
 SHAKESPEARE = REPO / ".." / "shared" / "data" / "text" / "tinyshakespeare.txt"
@@ -60,7 +61,7 @@ def test_resume_is_exact(tmp_path):
 def test_resume_with_a_different_model_is_refused(tmp_path):
     runs = str(tmp_path)
     train_run([*FAST, "--num_iterations", "2", "--runs_dir", runs])
-    with pytest.raises(SystemExit, match=r"another model config \(window 8 -> 3\)"):
+    with pytest.raises(UsageError, match=r"another model config \(window 8 -> 3\)"):
         train_run([*FAST, "--num_iterations", "4", "--runs_dir", runs, "--window", "3", "--resume"])
 
 
@@ -109,10 +110,9 @@ def test_seed_flags_and_window_parsing():
     ],
 )
 def test_bad_train_input_exits_with_a_message(tmp_path, capsys, argv, message):
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(UsageError) as exc:
         train_run([*FAST, "--num_iterations", "1", "--runs_dir", str(tmp_path), *argv])
-    text = f"{exc.value.code} {capsys.readouterr().err}"
-    assert exc.value.code != 0
+    text = f"{exc.value} {capsys.readouterr().err}"
     assert re.search(message, text, re.S), text
 
 
@@ -124,18 +124,18 @@ def test_bad_train_input_exits_with_a_message(tmp_path, capsys, argv, message):
 def test_bad_data_file_exits_with_a_message(tmp_path, content, message):
     path = tmp_path / "data.txt"
     path.write_bytes(content)
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(UsageError, match=message):
         train_run([*FAST, "--num_iterations", "1", "--runs_dir", str(tmp_path), "--data", str(path)])
 
 
 def test_eval_without_a_run_and_bad_prompt(tmp_path):
-    with pytest.raises(SystemExit, match="no checkpoint"):
+    with pytest.raises(UsageError, match="no checkpoint"):
         eval_run(["--run", str(tmp_path)])
     train_run([*FAST, "--num_iterations", "1", "--runs_dir", str(tmp_path)])
     run = str(tmp_path / "gpt2-window" / "run")
-    with pytest.raises(SystemExit, match="not in this model's vocabulary"):
+    with pytest.raises(UsageError, match="not in this model's vocabulary"):
         generate_run(["--run", run, "--prompt", "\u2603 snowman"])
-    with pytest.raises(SystemExit, match="longer than the model's context"):
+    with pytest.raises(UsageError, match="longer than the model's context"):
         eval_run(["--run", run, "--sequence_length", "64"])
 
 

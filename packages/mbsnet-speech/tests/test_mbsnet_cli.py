@@ -204,7 +204,7 @@ def test_eval_on_folder_records_a_bad_file_and_goes_on(trained, tmp_path, make_v
         rows = {r["file"]: r for r in csv.DictReader(f)}
     assert "silent" in rows["p001.wav"]["error"] and rows["p000.wav"]["error"] == ""
     assert summary["n_ok"] == 2 and summary["n_failed"] == 1
-    with pytest.raises(SystemExit, match="no checkpoint"):
+    with pytest.raises(UsageError, match="no checkpoint"):
         eval.main(["--run", str(tmp_path), "--pairs", "1"])
 
 
@@ -244,7 +244,7 @@ def test_enhance_long_file_in_chunks(trained, tmp_path, speech):
     assert sorted(p.name for p in written) == ["long.wav", "short.wav"]
     y, sr = sf.read(tmp_path / "out" / "long.wav")
     assert sr == 16000 and len(y) == len(long) and np.isfinite(y).all() and np.abs(y).max() > 0
-    with pytest.raises(SystemExit, match="does not exist"):
+    with pytest.raises(UsageError, match="does not exist"):
         enhance.main([str(tmp_path / "nope.wav"), "--out", str(tmp_path), "--run", str(run_dir)])
 
 

@@ -11,6 +11,7 @@ import pytest
 import soundfile as sf
 from mbsnet_speech import enhance, eval, train
 from mbsnet_speech.data import make_noise, read_blocks, read_wav
+from memfit.errors import UsageError
 
 TINY = [
     *("--config", "tiny", "--batch_size", "2", "--seconds", "0.5", "--no_progress", "--log_every", "1"),
@@ -101,7 +102,7 @@ def run_command_exit(argv) -> int:
 
 
 def test_eval_refuses_pieces_shorter_than_a_frame(tmp_path):
-    with pytest.raises(SystemExit, match="shorter than one STFT frame"):
+    with pytest.raises(UsageError, match="shorter than one STFT frame"):
         eval.main(["--run", str(tmp_path), "--seconds", "0.001"])
 
 
@@ -109,13 +110,13 @@ def test_enhance_never_writes_over_its_inputs(tmp_path, speech):
     (tmp_path / "noisy").mkdir()
     sf.write(tmp_path / "noisy" / "a.wav", speech[1], 16000)
     before = (tmp_path / "noisy" / "a.wav").read_bytes()
-    with pytest.raises(SystemExit, match="outputs never replace inputs"):
+    with pytest.raises(UsageError, match="outputs never replace inputs"):
         enhance.main([str(tmp_path / "noisy"), "--out", str(tmp_path / "noisy")])
-    with pytest.raises(SystemExit, match="outputs never replace inputs"):  # a file beside its output
+    with pytest.raises(UsageError, match="outputs never replace inputs"):  # a file beside its output
         enhance.main([str(tmp_path / "noisy" / "a.wav"), "--out", str(tmp_path / "noisy")])
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "a.wav").write_bytes(b"mine")
-    with pytest.raises(SystemExit, match="exists; pass --overwrite"):
+    with pytest.raises(UsageError, match="exists; pass --overwrite"):
         enhance.main([str(tmp_path / "noisy"), "--out", str(tmp_path / "out")])
     assert (tmp_path / "noisy" / "a.wav").read_bytes() == before
     assert (tmp_path / "out" / "a.wav").read_bytes() == b"mine"

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from memfit.errors import UsageError
 from memfit.train.checkpoint import load_checkpoint
 from moremouse_triplane import eval as mouse_eval
 from moremouse_triplane import train as mouse_train
@@ -81,9 +82,9 @@ def test_train_on_a_folder_of_renders_with_fp16_amp(tmp_path):
 
 
 def test_cli_bad_input_is_a_clear_error(tmp_path):
-    with pytest.raises(SystemExit, match="no such folder"):
+    with pytest.raises(UsageError, match="no such folder"):
         _train(tmp_path, "x", "--steps", "1", "--data", str(tmp_path / "missing"))
-    with pytest.raises(SystemExit, match="no checkpoint"):
+    with pytest.raises(UsageError, match="no checkpoint"):
         mouse_eval.main(["--run", str(tmp_path)])
 
 

@@ -1,10 +1,12 @@
 """User-facing errors and the one wrapper every command runs under.
 
 Bad input (a path, a number, a checkpoint of another system, a full disk) is one line naming the problem
-and the fix, and exit status 2, never a traceback. Code raises ``UsageError(message)`` (a ``SystemExit``,
-so a script that calls a command's ``main`` in-process sees it too); ``run_command`` prints the line and
-turns it, and the plain ``SystemExit("message")`` of older code, into status 2. It also turns an
-``OSError`` (unwritable or missing location, no space left) into one line, and Ctrl-C into status 130.
+and the fix, and exit status 2, never a traceback. Code raises ``UsageError(message)``, an ordinary
+exception (not a ``SystemExit``), so the Python API (``memfit.estimate``, ``System.from_pretrained``, the C
+kernel's loader) raises it like any library error and ``except Exception`` catches it. ``run_command``,
+which every command runs under, prints the line and turns it, and a plain ``SystemExit("message")``, into
+status 2. It also turns an ``OSError`` (unwritable or missing location, no space left) into one line, and
+Ctrl-C into status 130.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 EXIT_USAGE = 2
 
 
-class UsageError(SystemExit):
+class UsageError(Exception):
     """A user-facing error: one line naming the problem and the fix; exit status 2 under run_command."""
 
     def __init__(self, message: str) -> None:
@@ -63,6 +65,10 @@ def run_command(prog: str, fn: Callable[[list[str] | None], Any], argv: list[str
     as a metrics dict; only an int is taken as a status), 2 on a user error, 128 + N on signal N."""
     try:
         result = fn(argv)
+    except UsageError as e:
+        message = str(e)
+        print(f"{prog}: {message}" if message.startswith("error:") else message, file=sys.stderr)
+        return EXIT_USAGE
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             return e.code or 0

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise UsageError(f"error: {e}") from None
 
     set_seed(loop.seed)
-    model = GINR(cfg).to(device)
+    model = GINR(cfg)
     print(
         f"ginr-train: config {run.preset} (decoder {cfg.decoder}, width {cfg.decoder_width}), "
         f"{model.num_params() / 1e6:.2f}M params; {len(train_set)} training images from {train_set.source}"
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if args.profile:
         batch = get_batch(0, 0)
-        res = profile_model(model, batch, device, loop.amp, args.profile_iters)
+        res = profile_model(model.to(device), batch, device, loop.amp, args.profile_iters)
         print(
             f"profile ({device.type}, batch {t.batch_size}, {t.num_sample_coords} coords, "
             f"amp {loop.amp}): "
@@ -188,19 +188,14 @@ def main(argv: list[str] | None = None) -> dict:
         opt,
         mse_loss,
         get_batch,
-        loop,
-        lr_schedule=WarmupCosine(min(t.warmup, loop.steps or t.warmup)),
+        run,
+        lr_schedule=WarmupCosine(t.warmup),
         eval_fn=eval_fn if eval_imgs is not None and len(eval_imgs) else None,
         eval_every=t.eval_every,
         best_metric="val_psnr",
         config=cfg,
         meta={"preset": run.preset, "data": t.data, "holdout": t.holdout, "val": t.eval_images},
         items_per_step=t.batch_size * loop.grad_accum,
-        system=SYSTEM_NAME,
-        settings=run.settings,
-        preset=run.preset,
-        resume=run.resume,
-        overwrite=run.overwrite,
         memory_step=lambda b, ckpt: ginr_step(replace(cfg, checkpoint=ckpt), b, t.num_sample_coords, amp),
         batch_size=t.batch_size,
     )

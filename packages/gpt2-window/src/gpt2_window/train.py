@@ -164,10 +164,9 @@ def run(argv: list[str] | None = None) -> dict:
 
     tokens_per_step = B * T * loop.grad_accum
     trainer = Trainer(
-        model, optimizer, loss_fn, get_batch, loop,
+        model, optimizer, loss_fn, get_batch, r,
         lr_schedule=WarmupCosine(t.warmup, min_ratio), eval_fn=eval_fn, eval_every=t.eval_every,
-        config=cfg, meta=meta, items_per_step=tokens_per_step, system=SYSTEM_NAME,
-        settings=r.settings, preset=r.preset, resume=r.resume, overwrite=r.overwrite,
+        config=cfg, meta=meta, items_per_step=tokens_per_step,
         memory_step=lambda b, ckpt: gpt_step(replace(cfg, checkpoint=ckpt), b, T, AMP_DTYPES[loop.amp]),
         batch_size=B,
     )  # fmt: skip

@@ -211,7 +211,7 @@ class TrainConfig:
     seconds: float = 2.0  # crop length
     lr: float = 5e-4
     weight_decay: float = 0.01
-    warmup: int | None = None  # warmup steps; None: min(50, steps // 10)
+    warmup: int = 50  # warmup steps (at most a tenth of a run's --steps: memfit.train.loop.WarmupCosine)
     loss: LossWeights = field(default_factory=LossWeights)
     noisy_phase: bool = False  # freeze the phase head at "keep the noisy phase": a magnitude-mask model
     eval_every: int = 200  # validation (PESQ-wb, STOI, SI-SDR on held-out files) every N steps; 0: at the end

@@ -168,7 +168,7 @@ def build_parser() -> TrainParser:
     p.flag(d, "--batch_size", path="train.batch_size", help="crops per step")
     p.flag(d, "--seconds", path="train.seconds", help="crop length in seconds")
     o = p.group("optimizer and validation")
-    p.optimizer_flags(o, warmup="warmup steps (none: min(50, steps // 10))")
+    p.optimizer_flags(o, warmup="warmup steps (at most a tenth of --steps)")
     p.flag(
         o,
         "--loss",
@@ -289,13 +289,10 @@ def main(argv: list[str] | None = None) -> dict:
             noisy, clean = arrays(pair_rng(loop.seed, step, micro * 1000 + rank))
         except ValueError as e:  # a file that passed the start-up checks but not a full read (NaN samples)
             raise UsageError(f"error: {e}; fix or remove it (the last checkpoint is intact)") from None
-        dev = trainer.device
-        return torch.from_numpy(np.ascontiguousarray(noisy)).to(dev), torch.from_numpy(clean).to(dev)
+        return torch.from_numpy(np.ascontiguousarray(noisy)), torch.from_numpy(clean)
 
-    warmup = t.warmup if t.warmup is not None else min(50, (loop.steps or 500) // 10)
-    device_model = model.to(run.device)
     opt = torch.optim.AdamW(
-        [q for q in device_model.parameters() if q.requires_grad],
+        [q for q in model.parameters() if q.requires_grad],
         lr=t.lr,
         weight_decay=t.weight_decay,
         betas=(0.8, 0.99),
@@ -312,20 +309,15 @@ def main(argv: list[str] | None = None) -> dict:
         )
 
     trainer = Trainer(
-        device_model,
+        model,
         opt,
         loss_fn,
         get_batch,
-        loop,
-        lr_schedule=WarmupCosine(warmup),
+        run,
+        lr_schedule=WarmupCosine(t.warmup),
         config=cfg,
         meta={"preset": run.preset},
         items_per_step=t.batch_size * crop * loop.grad_accum,
-        system=SYSTEM_NAME,
-        settings=run.settings,
-        preset=run.preset,
-        resume=run.resume,
-        overwrite=run.overwrite,
         memory_step=memory_step,
         batch_size=t.batch_size,
         **validation_hooks(val_items, t.eval_every, noisy),

@@ -132,10 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise UsageError(f"error: {e}") from None
 
     set_seed(loop.seed)  # the same initial weights for the same seed
-    model = build_model(cfg).to(device)
+    model = build_model(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay)
-    total = t.schedule_steps or loop.steps
-    warmup = min(t.warmup, total // 5) if total else t.warmup
     info = dist_info()
     B, R, S = t.batch_size, cfg.rays_per_scene, cfg.samples_per_ray
 
@@ -154,16 +152,11 @@ def main(argv: list[str] | None = None) -> dict:
         opt,
         ray_loss,
         get_batch,
-        loop,
-        lr_schedule=WarmupCosine(warmup, total_steps=t.schedule_steps),
+        run,
+        lr_schedule=WarmupCosine(t.warmup, total_steps=t.schedule_steps),
         config=cfg,
         meta={"preset": run.preset, "data": t.data or "synthetic"},
         items_per_step=B * R * loop.grad_accum,
-        system=SYSTEM_NAME,
-        settings=run.settings,
-        preset=run.preset,
-        resume=run.resume,
-        overwrite=run.overwrite,
         # carving skips the empty points, a number the data decides: estimate without it (an upper bound)
         memory_step=lambda b, ckpt: train_step(
             replace(cfg, checkpoint=ckpt, carve=0.0), b, AMP_DTYPES[loop.amp]

@@ -137,6 +137,8 @@ def preflight(
     t0 = time.perf_counter()
     try:
         needed = _needs(make, batch, bool(checkpointing), device)
+    except UsageError:
+        raise
     except Exception as e:  # a model the estimator cannot trace must not stop the run
         why = first_line(e, 120)
         print(f"[memfit] memory pre-flight skipped: the step could not be estimated ({why})", file=sys.stderr)

@@ -624,7 +624,7 @@ def trace_target(target: Target, **overrides: int) -> Trace:
     step = target.step(**overrides)
     try:
         return trace_step(step, device=target.device)
-    except SystemExit:
+    except (SystemExit, UsageError):
         raise
     except Exception as exc:
         raise UsageError(f"error: {failure_text(exc)} ({_hint(target, exc)})") from exc

@@ -210,6 +210,9 @@ static void lane_sums_f64(const vf64 *P, i64 R, double *out) {
 
 /* bf16 per-step tensors on the lane path (autocast): read widened to fp32, written rounded to nearest
  * even as torch's .to(torch.bfloat16) (NaN stays NaN). Bits of ScanArgs.bfm say which tensors are bf16. */
+/* what a kernel returns besides 0: its work buffers could not be allocated; N is outside 1..NMAX */
+enum { E_NOMEM = -1, E_STATE = -2 };
+
 enum { BF_U = 1, BF_DELTA = 2, BF_Z = 4, BF_DOUT = 8, BF_Y = 16, BF_DU = 32, BF_DDELTA = 64, BF_DZ = 128 };
 /* what a Mamba block passes under bf16 autocast (compiled as constants: runtime bits slowed the loop) */
 #define BF_AUTOCAST_FWD (BF_U | BF_DELTA | BF_Z | BF_Y)
@@ -285,7 +288,7 @@ static int run_parts(const void *a, size_t size, int nthreads, i64 items, size_t
     if (nthreads < 1) nthreads = 1;
     per = (per + 63) / 64 * 64;
     char *work = NULL;
-    if (posix_memalign((void **)&work, 64, per * nthreads)) return -1;
+    if (posix_memalign((void **)&work, 64, per * nthreads)) return E_NOMEM;
     max_align_t store[(size * nthreads + sizeof(max_align_t) - 1) / sizeof(max_align_t)];
     char *parts = (char *)store;
     for (int k = 0; k < nthreads; k++) {
@@ -350,11 +353,99 @@ typedef struct {
     void *u, *gx, *gw, *gb;
 } ConvArgs;
 
-/* sizes and a few field offsets of the two structs, for memfit.ops.cpu_kernel to check its mirror */
-void scan_abi(i64 *out) {
-    out[0] = sizeof(ScanArgs), out[1] = offsetof(ScanArgs, delta), out[2] = offsetof(ScanArgs, y);
-    out[3] = offsetof(ScanArgs, sdl), out[4] = sizeof(ConvArgs), out[5] = offsetof(ConvArgs, x);
-}
+/* The whole boundary, by name: each struct's size, every field's offset, NMAX, the BF_* bits and the error
+ * codes. memfit.ops.cpu_kernel builds the same table from its ctypes mirrors and refuses to call a kernel
+ * unless the two are equal, entry for entry (two swapped pointer fields would otherwise pass). */
+typedef struct {
+    const char *name;
+    i64 value;
+} AbiEntry;
+#define OFF(S, f) {#S "." #f, (i64)offsetof(S, f)}
+static const AbiEntry ABI[] = {
+    {"sizeof ScanArgs", sizeof(ScanArgs)},
+    OFF(ScanArgs, batch),
+    OFF(ScanArgs, dim),
+    OFF(ScanArgs, L),
+    OFF(ScanArgs, N),
+    OFF(ScanArgs, T),
+    OFF(ScanArgs, softplus),
+    OFF(ScanArgs, lanes),
+    OFF(ScanArgs, bfm),
+    OFF(ScanArgs, nthreads),
+    OFF(ScanArgs, gsB),
+    OFF(ScanArgs, gsC),
+    OFF(ScanArgs, delta),
+    OFF(ScanArgs, bias),
+    OFF(ScanArgs, u),
+    OFF(ScanArgs, z),
+    OFF(ScanArgs, D),
+    OFF(ScanArgs, A2),
+    OFF(ScanArgs, A),
+    OFF(ScanArgs, B),
+    OFF(ScanArgs, C),
+    OFF(ScanArgs, dlast),
+    OFF(ScanArgs, dout),
+    OFF(ScanArgs, y),
+    OFF(ScanArgs, starts),
+    OFF(ScanArgs, last),
+    OFF(ScanArgs, du),
+    OFF(ScanArgs, ddelta),
+    OFF(ScanArgs, dz),
+    OFF(ScanArgs, dA),
+    OFF(ScanArgs, dB),
+    OFF(ScanArgs, dC),
+    OFF(ScanArgs, dD),
+    OFF(ScanArgs, dbias),
+    OFF(ScanArgs, sdl),
+    OFF(ScanArgs, su),
+    OFF(ScanArgs, sz),
+    OFF(ScanArgs, sy),
+    OFF(ScanArgs, sdo),
+    OFF(ScanArgs, sdu),
+    OFF(ScanArgs, sdd),
+    OFF(ScanArgs, sdz),
+    OFF(ScanArgs, sB),
+    OFF(ScanArgs, sC),
+    OFF(ScanArgs, pB),
+    OFF(ScanArgs, pC),
+    {"sizeof ConvArgs", sizeof(ConvArgs)},
+    OFF(ConvArgs, batch),
+    OFF(ConvArgs, L),
+    OFF(ConvArgs, dim),
+    OFF(ConvArgs, K),
+    OFF(ConvArgs, sx_b),
+    OFF(ConvArgs, sx_t),
+    OFF(ConvArgs, nthreads),
+    OFF(ConvArgs, x),
+    OFF(ConvArgs, w),
+    OFF(ConvArgs, bias),
+    OFF(ConvArgs, gu),
+    OFF(ConvArgs, u),
+    OFF(ConvArgs, gx),
+    OFF(ConvArgs, gw),
+    OFF(ConvArgs, gb),
+    {"sizeof Strides", sizeof(Strides)},
+    OFF(Strides, b),
+    OFF(Strides, d),
+    OFF(Strides, g),
+    OFF(Strides, t),
+    {"NMAX", NMAX},
+    {"BF_U", BF_U},
+    {"BF_DELTA", BF_DELTA},
+    {"BF_Z", BF_Z},
+    {"BF_DOUT", BF_DOUT},
+    {"BF_Y", BF_Y},
+    {"BF_DU", BF_DU},
+    {"BF_DDELTA", BF_DDELTA},
+    {"BF_DZ", BF_DZ},
+    {"E_NOMEM", E_NOMEM},
+    {"E_STATE", E_STATE},
+};
+#undef OFF
+
+i64 abi_count(void) { return (i64)(sizeof ABI / sizeof ABI[0]); }
+const char *abi_name(i64 i) { return ABI[i].name; }
+i64 abi_value(i64 i) { return ABI[i].value; }
 
 #define REAL float
 #define SFX f32

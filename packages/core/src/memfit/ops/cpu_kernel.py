@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.errors import UsageError
 from memfit.ops import registry
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
@@ -75,10 +76,29 @@ class ConvArgs(ctypes.Structure):
     ]
 
 
-def _abi() -> list[int]:
-    """What ``scan_abi`` in the C file reports, from the mirrors above."""
-    return [ctypes.sizeof(ScanArgs), ScanArgs.delta.offset, ScanArgs.y.offset, ScanArgs.sdl.offset,
-            ctypes.sizeof(ConvArgs), ConvArgs.x.offset]  # fmt: skip
+# Bits telling the kernel which per-step tensors it reads or writes as bf16 (BF_* in the C file), and what a
+# kernel returns besides 0 (E_* there)
+BF_BITS = {name: 1 << i for i, name in enumerate(
+    ("BF_U", "BF_DELTA", "BF_Z", "BF_DOUT", "BF_Y", "BF_DU", "BF_DDELTA", "BF_DZ"))}  # fmt: skip
+E_NOMEM, E_STATE = -1, -2
+
+
+def abi() -> dict[str, int]:
+    """The boundary as the C file's ``ABI`` table names it, from the mirrors here: each struct's size, every
+    field's offset, NMAX, the BF_* bits and the error codes."""
+    out: dict[str, int] = {}
+    for struct in (ScanArgs, ConvArgs, Strides):
+        out[f"sizeof {struct.__name__}"] = ctypes.sizeof(struct)
+        out |= {f"{struct.__name__}.{name}": getattr(struct, name).offset for name, _ in struct._fields_}
+    return out | {"NMAX": NMAX} | BF_BITS | {"E_NOMEM": E_NOMEM, "E_STATE": E_STATE}
+
+
+def library_abi(lib: ctypes.CDLL) -> dict[str, int]:
+    """The C side's table, read entry by entry."""
+    lib.abi_count.restype, lib.abi_value.restype = ctypes.c_int64, ctypes.c_int64
+    lib.abi_name.restype, lib.abi_name.argtypes = ctypes.c_char_p, [ctypes.c_int64]
+    lib.abi_value.argtypes = [ctypes.c_int64]
+    return {lib.abi_name(i).decode(): lib.abi_value(i) for i in range(lib.abi_count())}
 
 
 def _cpu_id() -> str:
@@ -132,10 +152,13 @@ def library() -> ctypes.CDLL | None:
         warnings.warn(msg, stacklevel=3)
         _failed.append(str(detail))
         return None
-    abi = (ctypes.c_int64 * 6)()
-    lib.scan_abi(abi)
-    if list(abi) != _abi():  # a field added on one side only: refuse rather than corrupt memory
-        raise RuntimeError(f"memfit: cpu_kernel.c's argument structs {list(abi)} != the mirror's {_abi()}")
+    theirs, ours = library_abi(lib), abi()
+    if theirs != ours:  # a field added, moved or renamed on one side only: refuse rather than corrupt memory
+        differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+        raise UsageError(
+            f"error: memfit's C kernel and its Python mirror disagree on {', '.join(differ[:6])}; "
+            "reinstall memfit-core (or set MEMFIT_DISABLE=cpu_kernel)"
+        )
     for sfx in ("f32", "f64"):
         for name, struct in (("scan_fwd", ScanArgs), ("scan_bwd", ScanArgs), ("conv_fwd", ConvArgs),
                              ("conv_bwd", ConvArgs)):  # fmt: skip
@@ -216,11 +239,12 @@ def bdl(x: torch.Tensor | None) -> Strides:
 def call(name: str, args: ScanArgs | ConvArgs) -> None:
     """Run kernel ``name`` (e.g. "scan_fwd_f32") on its argument struct."""
     if library() is None:
-        from memfit.errors import UsageError
-
         raise UsageError(
             "error: the fused CPU scan kernel could not be built here (the warning above says why); "
             "set MEMFIT_DISABLE=cpu_kernel to use torch ops"
         )
-    if getattr(library(), name)(ctypes.byref(args)) != 0:
+    status = getattr(library(), name)(ctypes.byref(args))
+    if status == E_STATE:
+        raise ValueError(f"memfit: {name}: state size N={getattr(args, 'N', '?')} is outside 1..{NMAX}")
+    if status != 0:
         raise MemoryError(f"memfit: {name} could not allocate its work buffers")

@@ -537,6 +537,7 @@ static Args unpack(const ScanArgs *s) {
 }
 
 int FN(scan_fwd)(const ScanArgs *s) {
+    if (s->N < 1 || s->N > NMAX) return E_STATE; /* the kernels keep the state in REAL h[NMAX] */
     Args a = unpack(s);
     if (s->lanes) /* per thread: A2 as lane vectors */
         return run(&a, (int)s->nthreads, lfwd_range, a.batch * a.nblk, V * a.nblk * a.N);
@@ -544,6 +545,7 @@ int FN(scan_fwd)(const ScanArgs *s) {
 }
 
 int FN(scan_bwd)(const ScanArgs *s) {
+    if (s->N < 1 || s->N > NMAX) return E_STATE;
     Args a = unpack(s);
     if (s->lanes) { /* per thread: A2, A, dA lanes; Hb, Ab, P (4T + 1 rows of N vectors), G, 4 chunk arrays */
         const i64 per = V * ((4 * a.T + 1) * a.N + 4 * a.nblk * a.N + 4 * a.T);

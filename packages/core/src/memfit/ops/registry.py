@@ -182,7 +182,7 @@ RECORDS: tuple[Impl, ...] = (
          "mamba_ssm's fused CUDA kernel (the torch-op path when the last state needs a gradient)",
          _mamba_scan_problem, "memfit.ops.scan.ref:probe", "mamba-ssm",
          fake="memfit.ops.scan.cpu:fused_scan"),
-    Impl("scan", "triton", "cuda", 20, "memfit.ops.scan.triton:selective_scan_triton",
+    Impl("scan", "triton", "cuda", 20, "memfit.ops.scan.triton:scan",
          "memfit's Triton kernel (chunk states saved, chunks recomputed in backward)",
          _triton_scan_problem, "memfit.ops.scan.ref:probe", ready="memfit.ops.scan.triton:why_unavailable"),
     Impl("scan", "cpu_kernel", "cpu", 20, "memfit.ops.scan.cpu:fused_scan",

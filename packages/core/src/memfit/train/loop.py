@@ -51,10 +51,10 @@ from memfit.train.checkpoint import (
 )
 from memfit.train.config import config_dict, config_difference
 from memfit.train.cpu import keep_freed_memory, set_threads
-from memfit.train.distributed import init_distributed, leave_distributed, resolve_device
+from memfit.train.distributed import init_distributed, leave_distributed
 from memfit.train.metrics_log import MetricsLog
 from memfit.train.run_dir import RunFolder
-from memfit.train.settings import LoopConfig, Settings, tree_dict, write_run_config
+from memfit.train.settings import LoopConfig, TrainRun, tree_dict, write_run_config
 
 
 def set_seed(seed: int) -> None:
@@ -96,20 +96,30 @@ class Progress:
         return min(1.0, max(0.0, *parts)) if parts else 0.0
 
 
+WARMUP_MAX_FRACTION = 0.1
+
+
 @dataclass(frozen=True)
 class WarmupCosine:
     """LR multiplier: linear warmup to 1 over `warmup` steps (nanoGPT's get_lr: never exactly 0), then a
     cosine down to `min_ratio` at the end of the run: its steps (or `total_steps`) or its time budget,
-    whichever comes first."""
+    whichever comes first. A run with a step count warms up over at most a tenth of it
+    (``WARMUP_MAX_FRACTION``), so a short run is not all warmup; one that runs until its time budget takes
+    `warmup` whole. The one warmup rule of every system: each sets `warmup` in its settings (`--warmup`)."""
 
     warmup: int = 0
     min_ratio: float = 0.1
     total_steps: int | None = None
 
+    def steps_of_warmup(self, p: Progress) -> int:
+        total = self.total_steps or p.steps
+        return self.warmup if total is None else min(self.warmup, int(total * WARMUP_MAX_FRACTION))
+
     def __call__(self, p: Progress) -> float:
-        if self.warmup > 0 and p.step < self.warmup:
-            return (p.step + 1) / (self.warmup + 1)
-        x = p.fraction(self.warmup, self.total_steps)
+        warmup = self.steps_of_warmup(p)
+        if warmup > 0 and p.step < warmup:
+            return (p.step + 1) / (warmup + 1)
+        x = p.fraction(warmup, self.total_steps)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * x))
 
 
@@ -155,11 +165,30 @@ STOP_NONE, STOP_DONE, STOP_TIME, STOP_SIGNAL = 0, 1, 2, 3
 DUPLICATE_SIGNAL_S = 1.0
 
 
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it (inside tuples, lists and dicts) on ``device``; a tensor already
+    there is returned as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)  # no copy when it is there already
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a named tuple
+        return type(batch)(*(to_device(b, device) for b in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
 @dataclass
 class Trainer:
     """Runs `cfg.steps` optimizer steps (or until `cfg.max_minutes`) of `loss_fn(model, get_batch(step,
     micro))`; see the module docstring.
 
+    ``run`` is the parsed run (``memfit.train.settings.TrainRun``, from ``TrainParser.parse`` or
+    ``TrainRun.of(loop)``): its settings, preset, device, system and whether to resume or overwrite. The
+    Trainer owns the device from there: it moves the model to ``run.device`` (an optimizer made on the
+    model's parameters before keeps them: ``Module.to`` moves them in place) and every batch ``get_batch``
+    returns (tensors already there are not copied), so model and batches are never on two devices.
     loss_fn returns a scalar loss or (loss, {name: float}); get_batch must be deterministic in
     (step, micro) for exact resume; lr_schedule(Progress) -> a multiplier of each param group's lr as the
     optimizer was built; eval_fn(model) -> {name: float} runs every eval_every steps (rank 0).
@@ -174,7 +203,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     loss_fn: Callable[[nn.Module, Any], Any]
     get_batch: Callable[[int, int], Any]
-    cfg: LoopConfig
+    run: TrainRun
     lr_schedule: Callable[[Progress], float] | None = None
     eval_fn: Callable[[nn.Module], dict[str, float]] | None = None
     eval_every: int = 0
@@ -183,12 +212,7 @@ class Trainer:
     items_per_step: int | None = None  # e.g. tokens per optimizer step, for throughput
     best_metric: str | None = None
     best_mode: str = "max"  # "max" | "min"
-    system: str | None = None  # the registered system name, saved in checkpoints and checked on resume
-    settings: Settings | None = None  # the run's whole settings tree (config.json, checkpoints)
-    preset: str | None = None
     run_dir: str | Path | None = None
-    resume: bool = False
-    overwrite: bool = False
     # (batch size, checkpointing) -> the step as memfit.estimate.memory.TrainStep, and the batch size the
     # run uses:
     # the memory pre-flight estimates it and refuses a run that will not fit (cfg.preflight)
@@ -203,7 +227,12 @@ class Trainer:
         self.best_step: int | None = None
         self.stopped_early = False
         self.seconds = 0.0  # training time spent by the run, over every resume
-        self.device = resolve_device(self.cfg.device)
+        run = self.run
+        self.cfg: LoopConfig = run.loop
+        self.system, self.settings, self.preset = run.system, run.settings, run.preset
+        self.resume, self.overwrite = run.resume, run.overwrite
+        self.device = run.device
+        self.model = self.model.to(self.device)
         if self.cfg.threads is not None:
             set_threads(self.cfg.threads)
         if self.device.type == "cpu":
@@ -379,7 +408,7 @@ class Trainer:
         extra: dict[str, float] = {}
         accum = self.cfg.grad_accum
         for micro in range(accum):
-            batch = self.get_batch(self.step, micro)
+            batch = to_device(self.get_batch(self.step, micro), self.device)
             # DDP averages gradients in the last micro-batch's backward only
             last_micro = self.ddp is None or micro == accum - 1
             sync = contextlib.nullcontext() if last_micro else self.ddp.no_sync()

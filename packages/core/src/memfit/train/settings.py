@@ -279,15 +279,32 @@ def read_config_file(path: str | Path, system: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class TrainRun:
-    """What `TrainParser.parse` gives a system's train: the finished tree and how to open the run."""
+    """What `TrainParser.parse` gives a system's train: the finished tree, the device (resolved once, here)
+    and how to open the run. ``Trainer(model, optimizer, loss_fn, get_batch, run)`` takes it whole."""
 
-    settings: Settings
-    preset: str
+    settings: Settings | None  # None: a loop without a system's settings tree (``TrainRun.of``)
+    preset: str | None
     device: Any  # torch.device
     resume: bool
     overwrite: bool
     given: frozenset[str]  # the paths set by a file or a flag (not by the preset)
-    args: argparse.Namespace  # the parsed command line, for a system's flags that are not settings
+    args: argparse.Namespace | None  # the parsed command line, for a system's flags that are not settings
+    system: str | None = None  # the registered system name, saved in checkpoints and checked on resume
+    loop_config: LoopConfig | None = None  # only with settings None
+
+    @property
+    def loop(self) -> LoopConfig:
+        return self.settings.loop if self.settings is not None else self.loop_config
+
+    @classmethod
+    def of(cls, loop: LoopConfig, system: str | None = None, resume: bool = False, overwrite: bool = False):
+        """A run of ``loop`` alone (scripts, tests): its device resolved from ``loop.device``, no settings
+        tree (no config.json)."""
+        from memfit.train.distributed import resolve_device
+
+        return cls(
+            None, None, resolve_device(loop.device), resume, overwrite, frozenset(), None, system, loop
+        )
 
 
 def _fmt(value: Any) -> str:
@@ -569,5 +586,12 @@ class TrainParser:
 
             set_threads(tree.loop.threads)
         return TrainRun(
-            tree, preset, device, args.resume, args.overwrite, frozenset(given | set(flags)), args
+            tree,
+            preset,
+            device,
+            args.resume,
+            args.overwrite,
+            frozenset(given | set(flags)),
+            args,
+            self.system,
         )

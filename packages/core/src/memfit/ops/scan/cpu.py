@@ -112,7 +112,9 @@ def cast_bdl(x: torch.Tensor | None, cd: torch.dtype) -> torch.Tensor | None:
 
 
 # Bits telling the kernel which per-step tensors it reads or writes as bf16 (BF_* in cpu_kernel.c).
-_BF_U, _BF_DELTA, _BF_Z, _BF_DOUT, _BF_Y, _BF_DU, _BF_DDELTA, _BF_DZ = (1 << i for i in range(8))
+_BF = _K.BF_BITS
+_BF_U, _BF_DELTA, _BF_Z, _BF_DOUT = _BF["BF_U"], _BF["BF_DELTA"], _BF["BF_Z"], _BF["BF_DOUT"]
+_BF_Y, _BF_DU, _BF_DDELTA, _BF_DZ = _BF["BF_Y"], _BF["BF_DU"], _BF["BF_DDELTA"], _BF["BF_DZ"]
 
 
 def _kernel_in(x: torch.Tensor | None, cd: torch.dtype, lanes: bool) -> torch.Tensor | None:
