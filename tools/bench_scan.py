@@ -13,7 +13,8 @@ Rows per size (batch B, dim D, length L, state N):
   its own decay) as it runs by default on CPU: the fused C kernel (memfit/cpu_kernel.c, chunk 64)
   when a C compiler is there, on its channel-lane path for this layout (blocks of 16 channels, the
   state as N lane vectors). ``selective_scan seq. path``: the same kernel on its sequence path (one
-  (b, d) sequence per work item, the N-vector state as the SIMD axis; ``memfit.ops.scan.LANE_PATH = False``),
+  (b, d) sequence per work item, the N-vector state as the SIMD axis;
+  ``memfit.ops.scan.cpu.LANE_PATH = False``),
   which is what ran before the lane path existed. ``selective_scan torch-ops``: the same scan with
   ``use_kernels=False``, its torch-op path (auto chunk size), the fallback without a compiler.
 * ``ssd (Mamba-2)``: tools/ssd_reference.py, our plain re-implementation of Mamba-2's chunked SSD on
@@ -50,9 +51,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from memfit.estimate.memory import measure_peak
-from memfit.ops import scan as ssm
 from memfit.ops.cpu_kernel import library as fused_kernel
 from memfit.ops.scan import auto_chunk_size, selective_scan, selective_scan_ref
+from memfit.ops.scan import cpu as ssm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ssd_reference import ssd_scan  # noqa: E402
@@ -132,7 +133,7 @@ def mamba1(fn, lane_path=True):
     def step(t):
         return fn(t["u"], t["delta"], t["A"], t["B"], t["C"], t["D"], t["z"], t["delta_bias"], True)
 
-    step.lane_path = lane_path  # train_step holds memfit.ops.scan.LANE_PATH at this through backward
+    step.lane_path = lane_path  # train_step holds memfit.ops.scan.cpu.LANE_PATH at this through backward
     return step
 
 

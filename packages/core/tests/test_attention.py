@@ -375,3 +375,88 @@ def test_flash_on_cuda_matches_reference():
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=128), q32, k32, v32)
     _assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA window attention chosen by measurement (the tuning logic, on the CPU with stand-in candidates)
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """Candidates that compute the reference and count their calls; a fake clock for the timings."""
+    calls = {"flex": 0, "varlen": 0, "blocks": 0}
+
+    def make(name):
+        def fn(q, k, v, window, scale):
+            calls[name] += 1
+            return attention_ref(q, k, v, window=window, scale=scale)
+
+        return fn
+
+    monkeypatch.setattr(A, "CUDA_WINDOW_CANDIDATES", {n: make(n) for n in calls})
+    monkeypatch.setattr(A, "_cuda_choice", {})
+    monkeypatch.setattr(A, "_cuda_failed", {})
+    return calls
+
+
+def test_cuda_window_times_each_candidate_once_and_keeps_the_fastest(monkeypatch, stand_ins):
+    timed = []
+    speed = {"flex": 2.0, "varlen": 1.0, "blocks": 3.0}
+
+    def clock(name, q, k, v, window, scale, backward):
+        timed.append((name, backward))
+        return speed[name]
+
+    monkeypatch.setattr(A, "_time_candidate", clock)
+    q, k, v = _qkv(2, 2, 64, 16, dtype=torch.bfloat16)
+    out = A.cuda_window(q, k, v, 8, None)
+    assert sorted(timed) == [("blocks", True), ("flex", True), ("varlen", True)]
+    assert stand_ins["varlen"] == 1 and stand_ins["flex"] == 0
+    A.cuda_window(q, k, v, 8, None)
+    assert len(timed) == 3 and stand_ins["varlen"] == 2  # cached: no second timing
+    with torch.no_grad():  # another key: forward only
+        A.cuda_window(q, k, v, 8, None)
+    assert ("varlen", False) in timed
+    assert A.cuda_window_choices() == {(2, 2, 64, 16, torch.bfloat16, 8, True): "varlen",
+                                       (2, 2, 64, 16, torch.bfloat16, 8, False): "varlen"}  # fmt: skip
+    torch.testing.assert_close(out, attention_ref(q, k, v, window=8))
+
+
+def test_cuda_window_leaves_out_fp32_for_flash_and_a_failing_candidate(monkeypatch, stand_ins):
+    def clock(name, *args):
+        if name == "flex":
+            raise RuntimeError("no kernel for this GPU")
+        return {"varlen": 1.0, "blocks": 3.0}[name]
+
+    monkeypatch.setattr(A, "_time_candidate", clock)
+    q, k, v = _qkv(1, 2, 32, 16)  # fp32: FlashAttention-2 does not take it
+    with pytest.warns(RuntimeWarning, match="candidate flex left out"):
+        A.cuda_window(q, k, v, 4, None)
+    assert list(A.cuda_window_choices().values()) == ["blocks"]
+    assert "flex" in A._cuda_failed and stand_ins["blocks"] == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["flex", "varlen", "blocks"])
+@pytest.mark.parametrize("L,w", [(1024, 64), (513, 256)])
+def test_each_cuda_window_candidate_matches_reference(name, L, w):
+    q, k, v = _qkv(2, 4, L, 64, dtype=torch.bfloat16, device="cuda")
+    got = _fwd_bwd(lambda q, k, v: A.CUDA_WINDOW_CANDIDATES[name](q, k, v, w, None), q, k, v)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=w), q32, k32, v32)
+    _assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+def test_cuda_auto_window_is_tuned_and_matches_reference():
+    from memfit.ops import registry
+
+    q, k, v = _qkv(2, 4, 2048, 64, dtype=torch.bfloat16, device="cuda")
+    registry.reset()
+    got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=128), q, k, v)
+    assert registry.ran("attention") == {"tuned": 1}
+    assert list(A.cuda_window_choices().values())[-1] in A.CUDA_WINDOW_CANDIDATES
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=128), q32, k32, v32)
+    _assert_close(got, want, atol=3e-2, rtol=3e-2)

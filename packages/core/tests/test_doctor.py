@@ -102,7 +102,7 @@ def test_require_cuda_fails_when_one_kernel_fails_its_probe(monkeypatch, capsys)
 def test_require_kernels_fails_when_a_kernel_is_missing_and_require_cuda_does_not(monkeypatch, capsys):
     fake_gpu(monkeypatch, cap=(7, 5), kernels={**GOOD, "flash": None})
     code, out, _ = run(["doctor"], capsys)
-    assert code == 0 and "flash-attn     not installed" in out and "-> window attention  flex" in out
+    assert code == 0 and "flash-attn     not installed" in out and "-> window attention  tuned" in out
     code, _, err = run(["doctor", "--require-kernels"], capsys)
     assert code == 2 and "flash-attn is not installed" in err
     code, _, err = run(["doctor", "--require-cuda"], capsys)  # the GPU job without the extra: fine

@@ -8,8 +8,11 @@ sliding window: query i sees keys i-w+1 .. i. Paths, in order:
    passed, and the inputs meet its preconditions (sm80+, fp16/bf16, head dim <= 256; memfit.ops.registry).
 2. ``sdpa`` - no window, or a window that covers the whole sequence (Lq <= w): ``is_causal``, never a
    dense mask. Cross-attention (Lq != Lk) without a window also lands here.
-3. ``flex`` - FlexAttention on CUDA with a block mask from ONE bounded LRU cache keyed by
-   (L, window, device), built once per key with B=None/H=None so it broadcasts over batch and heads.
+3. ``tuned`` - CUDA without flash-attn: the fastest of three candidates, timed once per (shape, dtype,
+   window, backward or not) on the device, as cudnn.benchmark does (``cuda_window``): ``flex``, compiled
+   FlexAttention with a block mask from ONE bounded LRU cache keyed by (L, window, device), built once per
+   key with B=None/H=None so it broadcasts over batch and heads; ``varlen``, the FlashAttention-2 kernel
+   PyTorch bundles (``varlen_attn(window_size=(w-1, 0))``, fp16/bf16); ``blocks`` (below).
 4. ``blocks`` - CPU, moderate L / w: SDPA (its CPU flash kernel) once per block of queries, each block
    against the keys its window reaches with a boolean band mask. A single block when L is small: then
    it is dense SDPA with a band mask, as fast as causal SDPA there.
@@ -37,7 +40,7 @@ import torch.nn.functional as F
 
 from memfit.ops import registry
 
-BACKENDS = ("auto", "flash", "sdpa", "flex", "blocks", "band", "ref")
+BACKENDS = ("auto", "flash", "sdpa", "flex", "varlen", "blocks", "band", "ref")
 
 # Queries per block on the band path (at most), and a cap on the bytes of fp32 band buffers one group of
 # blocks may hold (the group is the unit of work: bigger groups mean fewer Python steps, smaller ones a
@@ -438,6 +441,105 @@ def sdpa_blocks(q, k, v, window: int, scale: float | None = None, block: int | N
 
 
 # ----------------------------------------------------------------------------------------------------
+# CUDA: FlashAttention-2's window, and the candidate measured fastest
+# ----------------------------------------------------------------------------------------------------
+
+
+def varlen_window(q, k, v, window, scale):
+    """A causal window of ``window`` keys with the FlashAttention-2 kernel bundled in PyTorch
+    (``torch.nn.attention.varlen.varlen_attn``, CUDA, fp16/bf16): the batch packed as B sequences of L."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, H, L, D = q.shape
+    packed = [t.transpose(1, 2).reshape(B * L, H, t.shape[-1]) for t in (q, k, v)]
+    cu = torch.arange(0, (B + 1) * L, L, dtype=torch.int32, device=q.device)
+    out = varlen_attn(*packed, cu, cu, L, L, scale=scale, window_size=(window - 1, 0))
+    return out.view(B, L, H, -1).transpose(1, 2)
+
+
+def _varlen_problem(q, k, v) -> str | None:
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"{q.dtype}: FlashAttention takes fp16/bf16"
+    if q.shape[-1] > 256 or v.shape[-1] != q.shape[-1]:
+        return "head dims over 256 or unequal"
+    return None
+
+
+# CUDA window attention: the fastest correct candidate for each (shape, dtype, window, backward or not),
+# timed once on the device like cudnn.benchmark: compiled Flex wins at some shapes, FlashAttention-2's
+# window (varlen) at others, SDPA on query blocks at a few (tools/bench_gpu.py prints what was chosen).
+CUDA_WINDOW_CANDIDATES = {"flex": flex_window, "varlen": varlen_window, "blocks": sdpa_blocks}
+_cuda_choice: dict[tuple, str] = {}
+_cuda_failed: dict[str, str] = {}
+TUNE_REPEATS = 3
+
+
+def cuda_window_choices() -> dict[tuple, str]:
+    """{(B, H, L, D, dtype, window, backward): candidate} chosen so far in this process."""
+    return dict(_cuda_choice)
+
+
+def _candidates(q, k, v) -> list[str]:
+    names = [n for n in CUDA_WINDOW_CANDIDATES if n not in _cuda_failed]
+    if "varlen" in names and _varlen_problem(q, k, v) is not None:
+        names.remove("varlen")
+    return names
+
+
+def _time_candidate(name: str, q, k, v, window: int, scale, backward: bool) -> float:
+    """Median ms of fwd (+bwd) of candidate ``name`` on copies of q, k, v (its first call, which may
+    compile, is not timed)."""
+    fn = CUDA_WINDOW_CANDIDATES[name]
+    leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
+    times = []
+    for i in range(TUNE_REPEATS + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn(*leaves, window, scale)
+        if backward:
+            out.backward(torch.ones_like(out))
+        end.record()
+        end.synchronize()
+        if i:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _tune(key: tuple, q, k, v, window: int, scale, backward: bool) -> str:
+    timings = {}
+    for name in _candidates(q, k, v):
+        try:
+            timings[name] = _time_candidate(name, q, k, v, window, scale, backward)
+        except Exception as e:  # noqa: BLE001 - a candidate this GPU/torch cannot run is left out, said once
+            _cuda_failed[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+            import warnings
+
+            warnings.warn(f"memfit: window attention candidate {name} left out ({_cuda_failed[name]})",
+                          RuntimeWarning, stacklevel=3)  # fmt: skip
+    name = min(timings, key=timings.get) if timings else "blocks"
+    _cuda_choice[key] = name
+    return name
+
+
+_tune_outside_compile = torch.compiler.disable(_tune)
+
+
+def cuda_window(q, k, v, window, scale):
+    """Causal window attention on CUDA by the candidate measured fastest for this shape (tuned on the first
+    call of each (shape, dtype, window, backward) key; under torch.compile a key not tuned yet takes Flex)."""
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    key = (*q.shape, q.dtype, int(window), backward)
+    name = _cuda_choice.get(key)
+    if name is None:
+        name = (
+            "flex"
+            if torch.compiler.is_compiling()
+            else _tune_outside_compile(key, q, k, v, window, scale, backward)
+        )
+    return CUDA_WINDOW_CANDIDATES[name](q, k, v, window, scale)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Dispatcher
 # ----------------------------------------------------------------------------------------------------
 
@@ -537,14 +639,15 @@ def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
                 f"window={window}); use backend='band', 'flex' or 'auto'"
             )
         return _sdpa(q, k, v, True, scale)
-    impl = registry.record_of("attention", name)
+    if name != "flash":
+        return {**CUDA_WINDOW_CANDIDATES, "band": band_attention}[name](q, k, v, window, scale)
+    impl = registry.record_of("attention", "flash")
     fn = registry.resolve(impl.load)
-    if name == "flash":
-        if fn is None or not registry.is_cuda(q):
-            raise ValueError("attention: backend='flash' needs flash-attn installed and CUDA tensors")
-        problem = registry._problem(impl, (q, k, v, window))
-        if problem is None and not (res := registry.probe(impl, q.device)).ok:
-            problem = f"its probe failed: {res.detail}"
-        if problem is not None:
-            raise ValueError(f"attention: backend='flash' cannot run here: {problem}")
+    if fn is None or not registry.is_cuda(q):
+        raise ValueError("attention: backend='flash' needs flash-attn installed and CUDA tensors")
+    problem = registry._problem(impl, (q, k, v, window))
+    if problem is None and not (res := registry.probe(impl, q.device)).ok:
+        problem = f"its probe failed: {res.detail}"
+    if problem is not None:
+        raise ValueError(f"attention: backend='flash' cannot run here: {problem}")
     return fn(q, k, v, window, scale)

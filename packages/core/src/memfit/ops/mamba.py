@@ -18,8 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.ops.conv import causal_conv_silu
-from memfit.ops.scan import selective_scan
+from memfit.ops import conv, scan
 
 
 @dataclass
@@ -96,7 +95,7 @@ class Mamba(nn.Module):
 
     def _conv(self, x: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv + SiLU: x (batch, d_inner, L)."""
-        return causal_conv_silu(x, self.conv1d.weight, self.conv1d.bias, kernels=self.config.use_kernels)
+        return conv.causal_conv_silu(x, self.conv1d.weight, self.conv1d.bias, kernels=self.config.use_kernels)
 
     def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
         """x (batch, L, d_model) -> (batch, L, d_model). Other keywords (e.g. inference_params) are
@@ -115,7 +114,7 @@ class Mamba(nn.Module):
         dt = F.linear(dt, self.dt_proj.weight).transpose(1, 2)  # its bias goes in as delta_bias, in fp32
         B, C = B.transpose(1, 2), C.transpose(1, 2)  # (batch, N, L)
         A = -torch.exp(self.A_log.float())
-        y = selective_scan(
+        y = scan.selective_scan(
             xs, dt, A, B, C, self.D.float(), z=z, delta_bias=self.dt_proj.bias.float(), delta_softplus=True,
             chunk_size=cfg.chunk_size, use_kernels=cfg.use_kernels,
         )  # fmt: skip

@@ -201,8 +201,9 @@ RECORDS: tuple[Impl, ...] = (
     Impl("attention", "flash", "cuda", 30, "memfit.ops.flash_attn:window_attention",
          "flash-attn's window (fp16/bf16, head dim <= 256)", _flash_problem,
          "memfit.ops.attention:probe_flash", "flash-attn", fake="memfit.ops.attention:flash_like"),
-    Impl("attention", "flex", "cuda", 20, "memfit.ops.attention:flex_window", "compiled FlexAttention",
-         fake="memfit.ops.attention:flash_like"),
+    Impl("attention", "tuned", "cuda", 20, "memfit.ops.attention:cuda_window",
+         "the fastest of compiled FlexAttention, FlashAttention-2's window and SDPA on query blocks, timed "
+         "once per shape", fake="memfit.ops.attention:flash_like"),
     Impl("attention", "band", "cpu", 20, "memfit.ops.attention:band_attention",
          "the band path (long sequences: L >= 16 windows)", _band_problem),
     Impl("attention", "blocks", "any", 0, "memfit.ops.attention:sdpa_blocks", "SDPA on query blocks"),
@@ -335,6 +336,7 @@ def capability(device: torch.device) -> tuple[int, int]:
 # ----------------------------------------------------------------------------------------------------
 
 _ran: collections.Counter = collections.Counter()
+_traced: collections.Counter = collections.Counter()  # the same, for fake tensors (estimates' traces)
 _said: set[str] = set()
 _fallbacks: dict[tuple[str, str], int] = {}
 _probes: dict[tuple, ProbeResult] = {}
@@ -357,6 +359,14 @@ def ran(site: str | None = None) -> dict:
         return {p: n for (s, p), n in _ran.items() if s == site}
 
 
+def traced(site: str | None = None) -> dict:
+    """As ``ran()``, for calls on fake tensors (what an estimate's trace chose: the ops a model has)."""
+    with _lock:
+        if site is None:
+            return dict(_traced)
+        return {p: n for (s, p), n in _traced.items() if s == site}
+
+
 def fallbacks() -> dict[tuple[str, str], int]:
     """{(implementation, reason): times} of calls an installed implementation could not take."""
     with _lock:
@@ -367,6 +377,7 @@ def reset(probes: bool = False) -> None:
     """Forget the counts and the warnings given (and the cached probe results with ``probes=True``)."""
     with _lock:
         _ran.clear()
+        _traced.clear()
         _said.clear()
         _fallbacks.clear()
         if probes:
@@ -460,7 +471,10 @@ def choose(
             if impl.probe is not None and target is None:  # a kernel that could not take it: say so once
                 _fall_back(impl, problem)
             continue
-        if count:
+        if count and _is_fake(first):  # an estimate's fake trace is not a run: counted apart
+            with _lock:
+                _traced[(op, impl.name)] += 1
+        elif count:
             record(op, impl.name)
         return impl, fn
     raise RuntimeError(f"memfit: no implementation of {op} takes this call")  # torch's always does
