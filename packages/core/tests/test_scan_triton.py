@@ -315,7 +315,8 @@ def test_real_launch_is_counted(monkeypatch):
 
 
 def test_launch_config_and_chunk():
-    assert S.default_chunk(2048) == 64 and S.default_chunk(200) == 16 and S.default_chunk(5) == 5
+    assert S.default_chunk(2048) == 64 and S.default_chunk(200) == 16 and S.default_chunk(30) == 4
+    assert S.default_chunk(5) == 4 and S.default_chunk(3) == 3
     bd, nw = S.launch_config(4, 1536, 16)
     assert bd in (4, 8, 16) and nw >= 1
     assert S.launch_config(2, 12, 16, group_size=6)[0] == 2
