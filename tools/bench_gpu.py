@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.smoke:
             sizes = [(2, 128, 64, 16)]
         elif args.quick:
-            sizes = [(4, 1536, 512, 16), (4, 1536, 2048, 16)]
+            sizes = [(4, 1536, 2048, 16)]
         else:
             sizes = [(4, 1536, L, 16) for L in (512, 2048, 8192)]
         report["scan"] = scan_part(sizes, device, warmup, repeats, rounds)
