@@ -748,35 +748,15 @@ class _TritonScan(torch.autograd.Function):
 
 
 def _check_args(u, delta, A, B, C, D, z, delta_bias) -> tuple[int, int, int, int]:
-    if u.dim() != 3:
-        raise ValueError(f"selective_scan_triton: u must be (batch, dim, L), got {tuple(u.shape)}")
-    batch, dim, L = u.shape
-    if L == 0:
-        raise ValueError("selective_scan_triton: empty sequence (L == 0)")
-    if tuple(delta.shape) != tuple(u.shape) or (z is not None and tuple(z.shape) != tuple(u.shape)):
-        raise ValueError("selective_scan_triton: delta and z must have u's shape")
-    if A.dim() != 2 or A.shape[0] != dim or A.is_complex():
-        raise ValueError(f"selective_scan_triton: A must be real (dim={dim}, N), got {tuple(A.shape)}")
-    N = A.shape[1]
-    for name, X in (("B", B), ("C", C)):
-        s = tuple(X.shape)
-        ok = (
-            (X.dim() == 2 and s == (dim, N))
-            or (X.dim() == 3 and s == (batch, N, L))
-            or (X.dim() == 4 and s[0] == batch and s[2:] == (N, L) and s[1] > 0 and dim % s[1] == 0)
-        )
-        if not ok:
-            raise ValueError(
-                f"selective_scan_triton: {name} has shape {s}; expected ({dim}, {N}), ({batch}, {N}, {L}) "
-                f"or ({batch}, groups, {N}, {L}) with groups dividing {dim}"
-            )
-    for name, t in (("D", D), ("delta_bias", delta_bias)):
-        if t is not None and tuple(t.shape) != (dim,):
-            raise ValueError(f"selective_scan_triton: {name} must be (dim={dim},), got {tuple(t.shape)}")
+    """The scan's shape checks (``memfit.ops.scan.ref.check_args``), and no fp64: the kernels compute in
+    fp32 (memfit's other scans take fp64)."""
+    from memfit.ops.scan.ref import check_args
+
+    dims = check_args(u, delta, A, B, C, D, z, delta_bias)
     for t in (u, delta, z, A, B, C, D, delta_bias):
         if t is not None and t.dtype == torch.float64:
             raise TypeError("selective_scan_triton: fp64 is not supported (use memfit's scan for fp64)")
-    return batch, dim, L, N
+    return dims
 
 
 def selective_scan_triton(
