@@ -11,7 +11,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import UsageError, os_error_message
+from memfit.errors import UsageError
 from memfit.train.config import check_fields
 
 
@@ -69,20 +69,11 @@ def add_eval_args(parser: argparse.ArgumentParser, system: str, out: bool = True
 def eval_out_dir(args: argparse.Namespace, run_path: Path, inputs: tuple = ()) -> Path:
     """--out, or <run folder>/eval (the run's own: a new eval replaces its files); created here so an
     unwritable location fails before the work. --out may not lie inside an input (`inputs`, e.g. --data),
-    and a non-empty --out needs --overwrite."""
-    from memfit.train.outputs import check_outputs
+    and a non-empty --out needs --overwrite (memfit.train.outputs.output_dir)."""
+    from memfit.train.outputs import output_dir
 
     out = Path(args.out) if args.out else (run_path if run_path.is_dir() else run_path.parent) / "eval"
-    check_outputs([out], [p for p in inputs if p], overwrite=True)
-    if args.out and out.is_dir() and any(out.iterdir()) and not getattr(args, "overwrite", False):
-        raise UsageError(
-            f"error: --out {out} is not empty; pass --overwrite to replace its files, or another --out"
-        )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"error: cannot create the output folder: {os_error_message(e)}") from None
-    return out
+    return output_dir(out, inputs, overwrite=getattr(args, "overwrite", False), own=not args.out)
 
 
 def hidden_alias(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *names: str, **kw: Any) -> None:

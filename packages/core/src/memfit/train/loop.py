@@ -46,6 +46,7 @@ from memfit.train.checkpoint import (
     _set_rng_state,
     list_checkpoints,
     load_intact,
+    memfit_version,
     save_checkpoint,
     write_atomic,
 )
@@ -305,6 +306,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {
             "format": CHECKPOINT_FORMAT,
+            "memfit_version": memfit_version(),  # the writer: named when a memfit that cannot read it refuses
             "system": self.system,
             "step": self.step,
             "progress": {"seconds": self.seconds},
@@ -326,10 +328,9 @@ class Trainer:
             return None
         try:
             return save_checkpoint(self.run_dir, self.step, self.state_dict(), self.cfg.keep_last)
-        except OSError as e:
-            raise UsageError(
-                f"error: could not save the step-{self.step} checkpoint: {os_error_message(e)}"
-            ) from None
+        except (OSError, UsageError) as e:
+            why = os_error_message(e) if isinstance(e, OSError) else str(e).removeprefix("error: ")
+            raise UsageError(f"error: could not save the step-{self.step} checkpoint: {why}") from None
 
     def _restore(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
         """Restore the weights, optimizer and EMA of one checkpoint (load_intact's `use`): UsageError for a
