@@ -240,7 +240,11 @@ def _run_system(run: str, system: str | None, runs_dir: str) -> tuple[str, Path]
         from memfit.train.settings import CONFIG_NAME
 
         if (path / CONFIG_NAME).is_file():
-            system = json.loads((path / CONFIG_NAME).read_text()).get("system")
+            try:
+                doc = json.loads((path / CONFIG_NAME).read_text())
+            except (OSError, ValueError, RecursionError):  # damaged: say so below, no traceback
+                doc = None
+            system = doc.get("system") if isinstance(doc, dict) else None
         else:
             files = checkpoint_candidates(path) if path.is_dir() else [path]
             try:

@@ -57,7 +57,7 @@ def _evaluations(run_dir: Path) -> dict[str, dict[str, float]]:
     for path in sorted((run_dir / "eval").glob("*.json")) if (run_dir / "eval").is_dir() else []:
         try:
             doc = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
         nums = {k: v for k, v in _numbers(doc).items() if "/" not in k}
         if nums:

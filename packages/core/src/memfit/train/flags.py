@@ -7,6 +7,7 @@ path).
 from __future__ import annotations
 
 import argparse
+import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,26 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         raise UsageError(f"error: {message}; see --help")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        self._refuse_two_spellings(argv)
+        return super().parse_known_args(argv, namespace)
+
+    def _refuse_two_spellings(self, argv: list[str]) -> None:
+        """Two flags of one setting on one command line (--run and its old spelling --run_name): argparse
+        would keep the last one silently."""
+        used: dict[str, dict[int, str]] = {}
+        for token in argv:
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            action = self._option_string_actions.get(name) if name.startswith("--") else None
+            if action is not None:
+                used.setdefault(action.dest, {}).setdefault(id(action), name)
+        for dest, names in used.items():
+            if len(names) > 1:
+                self.error(f"{' and '.join(names.values())} both set {dest}; give one of them")
 
 
 def add_threads_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -65,9 +65,10 @@ def set_seed(seed: int) -> None:
 
 
 def step_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:
-    """A CPU generator seeded by (seed, step, micro, rank): batches that do not depend on history."""
+    """A CPU generator seeded by (seed, step, micro, rank): batches that do not depend on history. (Taken
+    modulo 2**64, torch's seed range, so a large --seed cannot overflow it; smaller values are unchanged.)"""
     g = torch.Generator()
-    g.manual_seed(((seed * 1_000_003 + step) * 1_009 + micro) * 101 + rank)
+    g.manual_seed((((seed * 1_000_003 + step) * 1_009 + micro) * 101 + rank) % 2**64)
     return g
 
 

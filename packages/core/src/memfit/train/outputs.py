@@ -129,6 +129,10 @@ def _disk_full(e: BaseException, folder: Path) -> bool:
     return st.f_bavail * st.f_frsize < FULL_BELOW_BYTES
 
 
+def _names(paths: list[Path]) -> str:
+    return ", ".join(p.name for p in paths)
+
+
 def _sync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -153,7 +157,7 @@ def output_files(
             raise UsageError(f"error: {t} exists; pass --overwrite to replace it, or choose another {flag}")
     temps: list[Path] = []
     created: list[Path] = []  # folders made here: removed again (when empty) on a failure
-    current = targets[0] if targets else Path(".")
+    current: Path | None = None  # the file being written, where known (the block may write any of them)
     with signals_raise():
         try:
             for folder in dict.fromkeys(t.parent for t in targets):
@@ -166,6 +170,7 @@ def output_files(
                 tmp = temp_path(t)
                 with open(tmp, "wb"):  # an unwritable folder fails here, as an OSError
                     temps.append(tmp)
+            current = None
             yield list(temps)
             for tmp, t in zip(temps, targets):
                 current = t
@@ -176,16 +181,18 @@ def output_files(
                 os.replace(tmp, t)
             temps.clear()
         except BaseException as e:
-            full = isinstance(e, Exception) and _disk_full(e, current.parent)
+            where = (current or targets[0]).parent
+            full = isinstance(e, Exception) and _disk_full(e, where)
             for tmp in temps:
                 with contextlib.suppress(OSError):
                     tmp.unlink()
             for folder in created:  # deepest first
                 with contextlib.suppress(OSError):
                     folder.rmdir()
-            if full:
+            if full:  # inside the block, any of the targets may have been the one being written
+                what = current or (targets[0] if len(targets) == 1 else f"{where} ({_names(targets)})")
                 raise UsageError(
-                    f"error: no space left on the device writing {current}; nothing was written there; free "
+                    f"error: no space left on the device writing {what}; nothing was written there; free "
                     "some space or choose another location"
                 ) from None
             if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
