@@ -375,6 +375,16 @@ def test_plot_onto_a_checkpoint_or_a_text_file_is_one_line(runs, tmp_path, capsy
     assert out.read_bytes() == before
 
 
+def test_the_report_never_writes_into_a_non_empty_folder_without_overwrite(tmp_path):
+    from memfit.errors import UsageError
+    from memfit_report.main import main as report
+
+    (tmp_path / "notes.md").write_text("mine")
+    with pytest.raises(UsageError, match="is not empty; pass --overwrite"):  # before minutes of estimates
+        report(["--system", SYSTEM, "--no_bench", "--out", str(tmp_path)])
+    assert files(tmp_path) == ["notes.md"]
+
+
 def enhance_argv(src: Path, out: Path, run: Path) -> list[str]:
     return ["run", MBSNET, "enhance", str(src), "--out", str(out), "--run", str(run), "--threads", "1"]
 
@@ -416,50 +426,53 @@ def test_sigterm_mid_enhance_leaves_no_file_and_a_later_run_removes_a_killed_one
 # -- a full disk ------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def full_disk(tmp_path):
-    """A 1 MiB tmpfs filled to the last page (root only: mount). Yields the mount point; `filler` is the
-    one file in it before a trial, and must be the one file after."""
+@pytest.fixture(params=["full", "read-only"])
+def small_disk(request, tmp_path):
+    """A 1 MiB tmpfs, filled to the last page or mounted read-only (root only: mount). Yields (mount point,
+    the files in it before a trial, which must be all the files after, what each trial's line says)."""
     if os.geteuid() != 0:
-        pytest.skip("a full disk is a small tmpfs, and mounting one needs root")
+        pytest.skip("a full or read-only disk is a small tmpfs, and mounting one needs root")
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True,
+    full = request.param == "full"
+    options = "size=1m" if full else "size=1m,ro"
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True,
                          text=True)  # fmt: skip
     if res.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
     try:
-        fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
-        try:
-            for size in (1 << 16, 1 << 12, 1):
-                with contextlib.suppress(OSError):
-                    while True:
-                        os.write(fd, b"\0" * size)
-        finally:
-            os.close(fd)
-        yield mnt
+        if full:
+            fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+            try:
+                for size in (1 << 16, 1 << 12, 1):
+                    with contextlib.suppress(OSError):
+                        while True:
+                            os.write(fd, b"\0" * size)
+            finally:
+                os.close(fd)
+        yield mnt, files(mnt), "no space left on the device" if full else "Read-only file system"
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_a_full_disk_is_one_line_and_leaves_no_file(runs, tmp_path, full_disk, capsys):
+def test_a_full_or_read_only_disk_is_one_line_and_leaves_no_file(runs, tmp_path, small_disk, capsys):
+    disk, before, says = small_disk
     gpt2, mbsnet = runs / SYSTEM / "run", runs / MBSNET / "run"
     src = wav(tmp_path / "speech.wav", 2)
+    full = says.startswith("no space")  # then the line names the file that did not fit, else the folder
     trials = [
-        (["plot", gpt2, "--out", full_disk / "curves.png"], "curves.png"),
-        (
-            ["export", gpt2, "--out", full_disk / "export"],
-            "export (model.safetensors, config.json",
-        ),
-        (enhance_argv(src, full_disk / "enhanced", mbsnet), "speech.wav"),
-        (["eval", SYSTEM, "--run", gpt2, *EVAL[SYSTEM], "--out", full_disk / "eval"], "eval_val.json"),
-    ]
+        (["plot", gpt2, "--out", disk / "curves.png"], "disk/curves.png"),
+        (["export", gpt2, "--out", disk / "export"], "export (model.safetensors" if full else "disk/export"),
+        (enhance_argv(src, disk / "enhanced", mbsnet), "enhanced/speech.wav" if full else "disk/enhanced"),
+        (["eval", SYSTEM, "--run", gpt2, *EVAL[SYSTEM], "--out", disk / "eval"],
+         "eval/eval_val.json" if full else "disk/eval"),
+    ]  # fmt: skip
     for argv, name in trials:
         capsys.readouterr()
         assert memfit_cli(*argv) == 2, argv
         line = one_error_line(capsys)
-        assert "no space left on the device" in line and name in line, line
-        assert files(full_disk) == ["filler"], argv  # no partial file, no temporary one
+        assert says in line and name in line and ".tmp" not in line, line
+        assert files(disk) == before, argv  # no partial file, no temporary one
 
 
 # -- damaged run files ------------------------------------------------------------------------------

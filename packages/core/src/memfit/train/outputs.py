@@ -195,8 +195,10 @@ def output_files(
                     f"error: no space left on the device writing {what}; nothing was written there; free "
                     "some space or choose another location"
                 ) from None
-            if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
-                raise UsageError(f"error: {os_error_message(e)}") from None
+            if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:  # named by the target, not the temp file
+                named = e.filename if e.filename and not TEMP_NAME.match(Path(e.filename).name) else current
+                failed = OSError(e.errno, e.strerror, str(named or where))
+                raise UsageError(f"error: {os_error_message(failed)}") from None
             raise
 
 
