@@ -122,6 +122,8 @@ def _disk_full(e: BaseException, folder: Path) -> bool:
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     if "No space left on device" in str(e):
         return True
+    if isinstance(e, (ValueError, TypeError, LookupError, UsageError)):  # the input's fault, not the disk's
+        return False
     try:
         st = os.statvfs(folder)
     except OSError:
