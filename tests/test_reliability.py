@@ -6,9 +6,12 @@ touch; after it, every file outside the run folder is byte-identical.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +23,7 @@ import memfit.estimate.preflight
 import pytest
 import torch
 
-from tests.systems import ALIASES, TRAIN, evaluate, one_error_line, train
+from tests.systems import ALIASES, EVAL, TRAIN, evaluate, one_error_line, train
 
 SYSTEM = "gpt2-window"  # the fastest to train; the run-folder rules live in core and are the same for all
 
@@ -296,3 +299,327 @@ def test_eval_outputs_never_replace_inputs_or_existing_files(world, capsys):
     assert snapshot(world, run) == before
     assert evaluate(SYSTEM, run) == 0  # the run's own eval/ folder: a new eval replaces its results
     assert evaluate(SYSTEM, run) == 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# The faults users meet: files they own, a full disk, SIGTERM, damaged run files, odd numbers, start-up.
+# Each trial: no traceback, no file deleted, overwritten or left behind, no silent garbage output.
+# ----------------------------------------------------------------------------------------------------
+
+MBSNET = "mbsnet-speech"
+TEMP_FILE = "*.tmp*"  # memfit.train.outputs' temporary files: .NAME.tmpPID
+
+
+def memfit_cli(*argv: str) -> int:
+    """The `memfit` console script's function, in-process (memfit.launch.memfit)."""
+    from memfit.launch import memfit
+
+    return memfit([str(a) for a in argv])
+
+
+def files(root: Path) -> list[str]:
+    """Every file under root, hidden ones included, relative."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Runs to copy: gpt2-window `run` (4 steps, checkpoints at 2 and 4) and mbsnet-speech `run` (tiny)."""
+    root = tmp_path_factory.mktemp("trained")
+    assert train(SYSTEM, root / "runs", "--steps", "4", "--save_every", "2", "--log_every", "1") == 0
+    assert train(MBSNET, root / "runs", "--threads", "1") == 0
+    return root / "runs"
+
+
+@pytest.fixture
+def runs(trained, tmp_path):
+    """A fresh copy of the trained runs under tmp_path/runs."""
+    shutil.copytree(trained, tmp_path / "runs")
+    return tmp_path / "runs"
+
+
+def wav(path: Path, seconds: float) -> Path:
+    import numpy as np
+    import soundfile as sf
+
+    noise = np.random.default_rng(0).standard_normal(int(16000 * seconds)).astype("float32") * 0.1
+    sf.write(str(path), noise, 16000)
+    return path
+
+
+# -- files a user owns --------------------------------------------------------------------------------
+
+
+def test_plot_never_replaces_a_file_without_overwrite(runs, tmp_path, capsys):
+    run = runs / SYSTEM / "run"
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(b"my holiday")
+    assert memfit_cli("plot", run, "--out", photo) == 2
+    assert "photo.png exists; pass --overwrite" in one_error_line(capsys)
+    assert photo.read_bytes() == b"my holiday"
+    assert memfit_cli("plot", run, "--out", photo, "--overwrite") == 0
+    assert photo.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert memfit_cli("plot", run) == 0 and memfit_cli("plot", run) == 0  # the run's own curves.png
+    assert not list(tmp_path.rglob(TEMP_FILE))
+
+
+@pytest.mark.parametrize("target", ["ckpt_0000004.pt", "notes.txt"])
+def test_plot_onto_a_checkpoint_or_a_text_file_is_one_line(runs, tmp_path, capsys, target):
+    run = runs / SYSTEM / "run"
+    (tmp_path / "notes.txt").write_text("mine")
+    out = run / target if target.endswith(".pt") else tmp_path / target
+    before = out.read_bytes()
+    for extra in ([], ["--overwrite"]):
+        assert memfit_cli("plot", run, "--out", out, *extra) == 2
+        assert "plot writes a PNG; give a file name ending in .png" in one_error_line(capsys)
+    assert out.read_bytes() == before
+
+
+def test_the_report_never_writes_into_a_non_empty_folder_without_overwrite(tmp_path):
+    from memfit.errors import UsageError
+    from memfit_report.main import main as report
+
+    (tmp_path / "notes.md").write_text("mine")
+    with pytest.raises(UsageError, match="is not empty; pass --overwrite"):  # before minutes of estimates
+        report(["--system", SYSTEM, "--no_bench", "--out", str(tmp_path)])
+    assert files(tmp_path) == ["notes.md"]
+
+
+def enhance_argv(src: Path, out: Path, run: Path) -> list[str]:
+    return ["run", MBSNET, "enhance", str(src), "--out", str(out), "--run", str(run), "--threads", "1"]
+
+
+def start_enhance(src: Path, out: Path, run: Path) -> tuple[subprocess.Popen, Path]:
+    """`memfit run mbsnet-speech enhance` as a process, returned once its temporary output has data."""
+    argv = [console_path("memfit"), *enhance_argv(src, out, run)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        temps = list(out.glob(f".{src.stem}.wav.tmp*")) if out.is_dir() else []
+        if temps and temps[0].stat().st_size > 64 * 1024:  # mid-write: blocks of samples are in it
+            return proc, temps[0]
+        time.sleep(0.02)
+    proc.kill()
+    raise AssertionError(f"enhance never wrote its temporary file: {proc.communicate()}")
+
+
+def test_sigterm_mid_enhance_leaves_no_file_and_a_later_run_removes_a_dead_ones(runs, tmp_path, capsys):
+    run = runs / MBSNET / "run"
+    src, out = wav(tmp_path / "long.wav", 120), tmp_path / "out"
+    proc, temp = start_enhance(src, out, run)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.strip().splitlines()[-1].endswith("stopped by SIGTERM") and "Traceback" not in err
+    assert files(out) == []  # no partial long.wav, no temporary file
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = out / f".long.wav.tmp{dead.pid}"  # what a SIGKILL (nothing can clean up after it) leaves
+    left.write_bytes(temp.read_bytes() if temp.exists() else b"RIFF half a wav")
+    capsys.readouterr()
+    assert memfit_cli(*enhance_argv(wav(tmp_path / "short.wav", 1), out, run)) == 0
+    assert f"removed {left.name}, left by an interrupted write" in capsys.readouterr().err
+    assert files(out) == ["short.wav"]
+
+
+# -- a full disk ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["full", "read-only"])
+def small_disk(request, tmp_path):
+    """A 1 MiB tmpfs, filled to the last page or mounted read-only (root only: mount). Yields (mount point,
+    the files in it before a trial, which must be all the files after, what each trial's line says)."""
+    if os.geteuid() != 0:
+        pytest.skip("a full or read-only disk is a small tmpfs, and mounting one needs root")
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    full = request.param == "full"
+    options = "size=1m" if full else "size=1m,ro"
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True,
+                         text=True)  # fmt: skip
+    if res.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        if full:
+            fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT)
+            try:
+                for size in (1 << 16, 1 << 12, 1):
+                    with contextlib.suppress(OSError):
+                        while True:
+                            os.write(fd, b"\0" * size)
+            finally:
+                os.close(fd)
+        yield mnt, files(mnt), "no space left on the device" if full else "Read-only file system"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_full_or_read_only_disk_is_one_line_and_leaves_no_file(runs, tmp_path, small_disk, capsys):
+    disk, before, says = small_disk
+    gpt2, mbsnet = runs / SYSTEM / "run", runs / MBSNET / "run"
+    src = wav(tmp_path / "speech.wav", 2)
+    full = says.startswith("no space")  # then the line names the file that did not fit, else the folder
+    trials = [
+        (["plot", gpt2, "--out", disk / "curves.png"], "disk/curves.png"),
+        (["export", gpt2, "--out", disk / "export"], "export (model.safetensors" if full else "disk/export"),
+        (enhance_argv(src, disk / "enhanced", mbsnet), "enhanced/speech.wav" if full else "disk/enhanced"),
+        (["eval", SYSTEM, "--run", gpt2, *EVAL[SYSTEM], "--out", disk / "eval"],
+         "eval/eval_val.json" if full else "disk/eval"),
+    ]  # fmt: skip
+    for argv, name in trials:
+        capsys.readouterr()
+        assert memfit_cli(*argv) == 2, argv
+        line = one_error_line(capsys)
+        assert says in line and name in line and ".tmp" not in line, line
+        assert files(disk) == before, argv  # no partial file, no temporary one
+
+
+# -- damaged run files ------------------------------------------------------------------------------
+
+
+def damage_metrics(run: Path) -> None:
+    """A crash mid-write as the third line of run/metrics.jsonl: bytes that are not UTF-8, nor JSON."""
+    lines = (run / "metrics.jsonl").read_bytes().split(b"\n")
+    lines.insert(2, b'{"step": 2, "loss": \xff\xfe torn')
+    (run / "metrics.jsonl").write_bytes(b"\n".join(lines))
+
+
+def test_a_damaged_metrics_line_is_skipped_naming_it_by_resume_plot_and_the_model_card(runs, capsys):
+    run = runs / SYSTEM / "run"
+    damage_metrics(run)
+    assert memfit_cli("plot", run) == 0
+    assert "metrics.jsonl: line 3 is not UTF-8 text" in capsys.readouterr().err
+    assert train(SYSTEM, runs, "--resume", "--steps", "6", "--log_every", "1") == 0
+    err = capsys.readouterr().err
+    assert "line 3 is not UTF-8 text (a torn or damaged write?); dropped" in err and "Traceback" not in err
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]  # whole again
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    damage_metrics(runs / MBSNET / "run")  # a run with a best step: its card quotes that step's figures
+    assert memfit_cli("export", runs / MBSNET / "run", "--out", runs / "export") == 0
+    assert "line 3 is not UTF-8 text" in capsys.readouterr().err
+    assert "the run's best choice" in (runs / "export" / "README.md").read_text()
+
+
+def test_resume_refuses_a_newer_checkpoint_format_and_deletes_nothing(runs, capsys):
+    run = runs / SYSTEM / "run"
+    newest = run / "ckpt_0000004.pt"
+    state = torch.load(newest, weights_only=True)
+    assert state["memfit_version"]  # the writer is recorded
+    state.update(format=2, memfit_version="9.1.0")
+    torch.save(state, newest)
+    before = snapshot(run)
+    assert train(SYSTEM, runs, "--resume", "--steps", "6") == 2
+    line = one_error_line(capsys)
+    assert f"{newest} is a checkpoint of format 2, written by memfit 9.1.0" in line, line
+    assert "upgrade memfit" in line
+    assert snapshot(run) == before  # the newer checkpoint and its metrics rows are all still there
+    assert evaluate(SYSTEM, run) == 2  # eval refuses it too, rather than falling back to an older one
+    assert "format 2, written by memfit 9.1.0" in one_error_line(capsys)
+
+
+def test_a_truncated_or_newer_export_is_one_line(runs, capsys):
+    out = runs / "export"
+    assert memfit_cli("export", runs / SYSTEM / "run", "--out", out) == 0
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    assert evaluate(SYSTEM, out) == 2
+    line = one_error_line(capsys)
+    assert "model.safetensors is truncated or damaged" in line and "export the run again" in line, line
+    doc = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**doc, "format": 2, "memfit_version": "9.1.0"}))
+    assert evaluate(SYSTEM, out) == 2
+    assert "model export of format 2, written by memfit 9.1.0" in one_error_line(capsys)
+
+
+def test_weights_that_are_not_finite_are_refused_naming_the_parameter(runs, tmp_path, capsys):
+    run = runs / MBSNET / "run"
+    state = torch.load(run / "ckpt_0000001.pt", weights_only=True)
+    name = next(k for k, v in state["model"].items() if v.is_floating_point() and v.dim() > 1)
+    state["model"][name] = torch.full_like(state["model"][name], float("nan"))
+    state.pop("ema_model", None)
+    torch.save(state, tmp_path / "nan.pt")
+    capsys.readouterr()
+    assert evaluate(MBSNET, tmp_path / "nan.pt") == 2  # was exit 0: "0 evaluated, 2 failed"
+    assert f"its weights are not finite ({name} holds NaN)" in one_error_line(capsys)
+    out = tmp_path / "enhanced"
+    assert memfit_cli(*enhance_argv(wav(tmp_path / "a.wav", 1), out, tmp_path / "nan.pt")) == 2
+    assert f"{name} holds NaN" in one_error_line(capsys)  # was a constant -1.0 wav, exit 0
+    assert files(out) == []
+
+
+# -- numbers ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "system, flags, says",
+    [
+        (MBSNET, ["--layers", "0"], "--layers must be >= 1, got 0"),
+        (MBSNET, ["--layers", "-1"], "--layers must be >= 1, got -1"),
+        (MBSNET, ["--channels", "0"], "--channels must be >= 1, got 0"),
+        (MBSNET, ["--channels", "-1"], "--channels must be >= 1, got -1"),
+        (SYSTEM, ["--seed", str(2**64)], "--seed must be in 0..2**63-1, got 1.84467e+19"),
+        (SYSTEM, ["--seed", "-1"], "--seed must be in 0..2**63-1, got -1"),
+        (SYSTEM, ["--lr", "nan"], "--lr must be > 0, got nan"),
+        (
+            SYSTEM,
+            ["--steps", "3", "--num_iterations", "4"],
+            "--steps both set loop.steps",
+        ),
+    ],
+)
+def test_bad_numbers_are_refused_at_parse_time_in_one_line(system, flags, says, tmp_path, capsys):
+    assert train(system, tmp_path / "runs", *flags) == 2
+    assert says in one_error_line(capsys)
+    assert not (tmp_path / "runs").exists()  # refused before anything was made
+
+
+def test_a_large_seed_trains(tmp_path):
+    assert train(SYSTEM, tmp_path / "runs", "--seed", str(2**63 - 1)) == 0
+
+
+def test_a_config_file_nested_200000_levels_deep_is_one_line(tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    assert train(MBSNET, tmp_path / "runs", "--config", str(deep)) == 2
+    assert "JSON nested too deeply" in one_error_line(capsys)
+
+
+def test_generate_refuses_a_temperature_below_its_floor_and_samples_at_the_floor(runs, capsys):
+    from gpt2_window.model import MIN_TEMPERATURE
+    from gpt2_window.sample import run as generate
+
+    run = runs / SYSTEM / "run"
+    for bad in ("1e-45", "0", "nan", "inf"):
+        assert memfit_cli("run", SYSTEM, "generate", "--run", run, "--temperature", bad) == 2
+        assert "--temperature must be >= 0.0001" in one_error_line(capsys)
+    assert memfit_cli("run", SYSTEM, "generate", "--run", run, "--seed", str(2**70)) == 2
+    assert "--seed must be in 0..2**63-1" in one_error_line(capsys)
+    (text,) = generate(["--run", str(run), "--temperature", str(MIN_TEMPERATURE), "--max_new_tokens", "8"])
+    assert len(text) > 1  # the prompt and 8 sampled characters: no NaN probabilities
+
+
+def test_eval_refuses_run_and_run_name_together(runs, capsys):
+    assert evaluate(SYSTEM, runs / SYSTEM / "run", "--run_name", "other") == 2
+    assert "--run and --run_name both set run" in one_error_line(capsys)
+
+
+# -- start-up ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum, status, says", [(signal.SIGINT, 130, "interrupted"),
+                                                   (signal.SIGTERM, 143, "stopped by SIGTERM")])  # fmt: skip
+def test_a_signal_during_the_start_up_imports_is_one_line(signum, status, says):
+    """Ctrl-C (or SIGTERM) while the command still imports torch: its status, one line, no traceback."""
+    proc = subprocess.Popen([console_path("memfit"), "--help"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if "libtorch" in maps.read_text():  # torch is being imported: start-up is under way
+                break
+        time.sleep(0.005)
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (status, f"memfit: {says}\n"), (out, err)

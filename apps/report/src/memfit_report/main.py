@@ -14,11 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-from memfit.errors import UsageError, console, os_error_message
+from memfit.errors import UsageError, console
 from memfit.estimate.memory import GIB, estimate_training_step, measure_training_step
 from memfit.system import available_systems, load_system
 from memfit.train.flags import Parser
+from memfit.train.outputs import output_dir, write_file, write_text
 
+DEFAULT_OUT = "reports/latest"
 CATEGORY_COLORS = {"params": "#4C72B0", "grads": "#55A868", "optimizer": "#C44E52", "activations": "#8172B2"}
 
 
@@ -125,8 +127,10 @@ def _save(fig, title: str, path: Path) -> None:
 
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        write_file(path, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), overwrite=True)
+    finally:
+        plt.close(fig)
 
 
 def plot_categories(rows: list[dict], path: Path) -> None:
@@ -187,8 +191,9 @@ def run_benchmarks(tools_dir: Path, out_dir: Path, log=print) -> dict:
 
 
 def write_report(out_dir: Path, data: dict) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(data, indent=2))
+    """report.json, report.md and the plots in out_dir, each through memfit's one output path (whole or
+    not at all; out_dir's files are replaced: output_dir decided that they may be)."""
+    write_text(out_dir / "report.json", json.dumps(data, indent=2), overwrite=True)
     md = ["# memfit report", "", "Regenerate: `uv run memfit-report` (writes this folder).", ""]
     md += [markdown_table(data["rows"]), ""]
     if data["scaling"]:
@@ -214,7 +219,7 @@ def write_report(out_dir: Path, data: dict) -> None:
     for name, res in data.get("benchmarks", {}).items():
         md += [f"## {name} (`--quick`)", "", "```", json.dumps(res, indent=1)[:4000], "```", ""]
     md += ["![memory by category](memory_by_category.png)", "", "![scaling](scaling.png)", ""]
-    (out_dir / "report.md").write_text("\n".join(md))
+    write_text(out_dir / "report.md", "\n".join(md), overwrite=True)
     if data["rows"]:
         plot_categories(data["rows"], out_dir / "memory_by_category.png")
     if data["scaling"]:
@@ -224,7 +229,8 @@ def write_report(out_dir: Path, data: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The report; 0, or 1 when a system is over its budget (bad input: UsageError, exit 2)."""
     p = Parser(prog="memfit-report", description=__doc__.splitlines()[0])
-    p.add_argument("--out", default="reports/latest", help="output folder (default %(default)s)")
+    p.add_argument("--out", default=None, help=f"output folder (default {DEFAULT_OUT}, replaced each time)")
+    p.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
     p.add_argument("--system", action="append", help="only these systems (repeatable)")
     p.add_argument("--no_bench", action="store_true", help="skip tools/bench_*.py")
     p.add_argument("--no_calibration", action="store_true", help="skip the small real runs")
@@ -235,11 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in systems if s not in installed]
     if unknown:
         raise UsageError(f"error: unknown system(s) {unknown}; installed: {', '.join(installed)}")
-    out_dir = Path(args.out)
-    try:  # before minutes of work: an unwritable location fails now
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"error: cannot create --out {out_dir}: {os_error_message(e)}") from None
+    # before minutes of work: an unwritable location, or a non-empty --out without --overwrite, fails now
+    out_dir = output_dir(args.out or DEFAULT_OUT, overwrite=args.overwrite, own=args.out is None)
     print(f"estimating {len(systems)} system(s)")
     data = collect(systems, calibrate=not args.no_calibration)
     if not args.no_bench and Path(args.tools).is_dir():

@@ -240,7 +240,11 @@ def _run_system(run: str, system: str | None, runs_dir: str) -> tuple[str, Path]
         from memfit.train.settings import CONFIG_NAME
 
         if (path / CONFIG_NAME).is_file():
-            system = json.loads((path / CONFIG_NAME).read_text()).get("system")
+            try:
+                doc = json.loads((path / CONFIG_NAME).read_text())
+            except (OSError, ValueError, RecursionError):  # damaged: say so below, no traceback
+                doc = None
+            system = doc.get("system") if isinstance(doc, dict) else None
         else:
             files = checkpoint_candidates(path) if path.is_dir() else [path]
             try:
@@ -264,7 +268,7 @@ def _export(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     from memfit.train.plot import plot_run
 
-    out = plot_run(Path(args.run), Path(args.out) if args.out else None)
+    out = plot_run(Path(args.run), Path(args.out) if args.out else None, args.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -334,6 +338,7 @@ def _main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plot", help="a run's loss and validation curves as a PNG (from its metrics.jsonl)")
     p.add_argument("run", help="a run folder")
     p.add_argument("--out", default=None, help="the PNG to write (default: <run>/curves.png)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=_plot)
     p = sub.add_parser("doctor", help="what each path (scan, conv, attention) uses on this machine, and why")
     p.add_argument(

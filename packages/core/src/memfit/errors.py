@@ -6,15 +6,20 @@ exception (not a ``SystemExit``), so the Python API (``memfit.estimate``, ``Syst
 kernel's loader) raises it like any library error and ``except Exception`` catches it. ``run_command``,
 which every command runs under, prints the line and turns it, and a plain ``SystemExit("message")``, into
 status 2. It also turns an ``OSError`` (unwritable or missing location, no space left) into one line, and
-Ctrl-C into status 130.
+Ctrl-C and SIGTERM (which cluster schedulers send) into one line and status 130 / 143: under it SIGTERM
+raises ``Interrupted`` like Ctrl-C raises KeyboardInterrupt, so every ``finally`` runs and a file being
+written is removed, not left half-written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 EXIT_USAGE = 2
@@ -29,6 +34,61 @@ class UsageError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop signal other than Ctrl-C (SIGTERM) raised where the program is, as Ctrl-C raises
+    KeyboardInterrupt: cleanup runs on the way out, and run_command exits with 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Within the block, SIGTERM raises Interrupted (where it would kill the process outright); Ctrl-C
+    raises KeyboardInterrupt (Python's default). A handler someone else installed is left alone, and the
+    previous one is back after the block. Only the main thread can take signals; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    mine = previous == signal.SIG_DFL
+    if mine:
+        signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        yield
+    finally:
+        if mine:
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def exit_at_once(prog: str) -> Iterator[None]:
+    """Within the block (a command's start-up: importing torch and the rest), Ctrl-C and SIGTERM print one
+    line and end the process at once with 128 + signum. Raising KeyboardInterrupt into an import half done
+    can be swallowed by the library being imported, or turn into another traceback; and nothing is
+    written yet that would need cleaning up. The previous handlers are back after the block."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        os.write(2, f"{prog}: {what}\n".encode())
+        os._exit(128 + signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def first_line(e: BaseException, limit: int = 160) -> str:
@@ -64,7 +124,8 @@ def run_command(prog: str, fn: Callable[[list[str] | None], Any], argv: list[str
     """Run a command's main(argv); return its exit status: 0 on success (main may return a result such
     as a metrics dict; only an int is taken as a status), 2 on a user error, 128 + N on signal N."""
     try:
-        result = fn(argv)
+        with signals_raise():
+            result = fn(argv)
     except UsageError as e:
         message = str(e)
         print(f"{prog}: {message}" if message.startswith("error:") else message, file=sys.stderr)
@@ -86,9 +147,10 @@ def run_command(prog: str, fn: Callable[[list[str] | None], Any], argv: list[str
         print(f"{prog}: error: out of memory ({first_line(e)}); ask for less (a smaller size, batch, length)",
               file=sys.stderr)  # fmt: skip
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM as Interrupted: whatever was being written is gone
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"{prog}: {'interrupted' if signum == signal.SIGINT else f'stopped by {e}'}", file=sys.stderr)
+        return 128 + signum
     return result if isinstance(result, int) and not isinstance(result, bool) else 0
 
 

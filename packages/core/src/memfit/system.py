@@ -22,7 +22,7 @@ from typing import Any
 
 from memfit.errors import UsageError, console, first_line
 from memfit.estimate.memory import TrainStep
-from memfit.train.checkpoint import WeightsMismatch, checkpoint_candidates, load_intact
+from memfit.train.checkpoint import WeightsMismatch, checkpoint_candidates, load_intact, nonfinite_parameter
 from memfit.train.config import from_dict, with_overrides
 from memfit.train.export import CONFIG, WEIGHTS, is_export, load_export
 from memfit.train.run_dir import resolve_run
@@ -130,6 +130,9 @@ class System:
                 model.load_state_dict(state.get("ema_model") or state["model"])
             except (RuntimeError, ValueError, KeyError) as e:
                 raise WeightsMismatch(f"{file}: its weights do not fit its config ({first_line(e)})") from e
+            if bad := nonfinite_parameter(model):  # eval would score garbage, enhance write it
+                raise ValueError(f"{file}: its weights are not finite ({bad}); the run diverged or the "
+                                 "file is damaged")  # fmt: skip
             return model, state
 
         try:

@@ -7,9 +7,10 @@ Presets ``fast`` / ``balanced`` / ``high`` are the seed's three ``MambaGINR_CIFA
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from memfit.train import config
-from memfit.train.config import check_fields
+from memfit.train.config import check_config, check_fields
 from memfit.train.settings import LoopConfig, Settings
 
 DECODERS = ("attn", "ff", "xattn")
@@ -43,8 +44,16 @@ class GINRConfig:
     decoder_ff_mult: int = 4
     # memory
     checkpoint: bool = False  # per-block activation checkpointing in encoder and decoder
+    RANGES: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(("image_size", "channels", "patch_size", "dim", "num_lp", "depth", "d_state",
+                         "d_conv", "expand", "ff_mult", "hidden_dim", "num_bands", "decoder_width",
+                         "decoder_depth", "decoder_heads", "decoder_ff_mult"), ">=1"),
+        "max_freq": ">0",
+        "locality_init": ">=0",
+    }  # fmt: skip
 
     def __post_init__(self) -> None:
+        check_config(self)  # sizes first: the checks below divide by them
         if self.decoder not in DECODERS:
             raise ValueError(f"decoder must be one of {DECODERS}, got {self.decoder!r}")
         if self.image_size % self.patch_size:

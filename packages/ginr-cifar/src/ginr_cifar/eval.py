@@ -26,6 +26,7 @@ from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.train.metrics import psnr_per_image
+from memfit.train.outputs import write_file, write_text
 from memfit.train.run_dir import resolve_run
 
 from ginr_cifar.data import SPLITS, _find_cifar_batches, default_cache_dir, load_split
@@ -159,7 +160,8 @@ def save_grid(truth: torch.Tensor, recon: torch.Tensor, path: str | Path, upscal
     side = truth.shape[-1] * upscale
     rows = [F.interpolate(r.float().clamp(0, 1), size=(side, side), mode="nearest") for r in (truth, recon)]
     both = torch.cat(rows)
-    save_image(make_grid(both, nrow=n, padding=2, pad_value=1.0), str(path))
+    grid = make_grid(both, nrow=n, padding=2, pad_value=1.0)
+    write_file(path, lambda tmp: save_image(grid, str(tmp), format="png"), overwrite=True)
 
 
 def pick_split(split: str, data: str | None, run_data: str | None) -> str:
@@ -220,9 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     png = out / (f"recon_{split}.png" if res == size else f"recon_{split}_{res}.png")
     save_grid(truth[pick], recon[pick], png)
     result["png"] = str(png)
-    (out / (f"eval_{split}.json" if res == size else f"eval_{split}_{res}.json")).write_text(
-        json.dumps(result, indent=2)
-    )
+    write_text(out / (f"eval_{split}.json" if res == size else f"eval_{split}_{res}.json"),
+               json.dumps(result, indent=2), overwrite=True)  # fmt: skip
     how = "" if res == size else f" ({res}x{res} decode average-pooled to {size}x{size})"
     print(
         f"ginr-eval: {result['num_images']} {split} images of {data or 'the embedded set'}; checkpoint "

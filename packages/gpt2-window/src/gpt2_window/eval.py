@@ -15,6 +15,7 @@ from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.train.loop import autocast_context, step_generator
+from memfit.train.outputs import write_text
 from memfit.train.run_dir import resolve_run
 
 from gpt2_window.data import TokenData, Tokenizer, load_data
@@ -100,7 +101,7 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
         "tokens": args.eval_iters * args.batch_size * T,
         "data": data.source,
     }
-    (out / f"eval_{args.split}.json").write_text(json.dumps(result, indent=2))
+    write_text(out / f"eval_{args.split}.json", json.dumps(result, indent=2), overwrite=True)
     if args.json:
         print(json.dumps(result))
     else:

@@ -26,6 +26,9 @@ from gpt2_window.baselines import SeedMaskCache
 from gpt2_window.config import GPTConfig
 
 SAMPLING_MIN_LENGTH = 64  # generate() on CUDA runs contexts at powers of two from this (_sampling_length)
+# The lowest sampling temperature: logits / temperature stays finite (logits / 1e-45 overflowed to inf and
+# softmax gave NaN probabilities); below it sampling is all but greedy anyway.
+MIN_TEMPERATURE = 1e-4
 
 
 class CausalSelfAttention(nn.Module):
@@ -183,8 +186,8 @@ class GPT(nn.Module):
 
         vocab_limit: sample only ids below it (the tokenizer's size; the rest is padding of the embedding).
         """
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"temperature must be >= {MIN_TEMPERATURE:g} and finite, got {temperature:g}")
         for _ in range(max_new_tokens):
             ctx = idx[:, -self.config.block_size :]
             T = ctx.shape[1]

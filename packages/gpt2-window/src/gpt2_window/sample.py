@@ -5,6 +5,7 @@ from __future__ import annotations
 from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers
 
 from gpt2_window.api import generate
+from gpt2_window.model import MIN_TEMPERATURE
 
 
 def run(argv: list[str] | None = None) -> list[str]:
@@ -18,7 +19,8 @@ def run(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args(argv)
-    check_numbers(args, max_new_tokens=">=0", num_samples=">=1", temperature=">0", top_k=">=1")
+    check_numbers(args, max_new_tokens=">=0", num_samples=">=1", temperature=f">={MIN_TEMPERATURE:g}",
+                  top_k=">=1", seed="0..2**63-1")  # fmt: skip
     apply_threads(args)
     texts = generate(args.prompt, args.run, args.max_new_tokens, args.num_samples, args.temperature,
                      args.top_k, args.seed, args.device, args.runs_dir)  # fmt: skip

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 from memfit.train import config
-from memfit.train.config import check_fields
+from memfit.train.config import check_config, check_fields
 from memfit.train.settings import LoopConfig, Settings
 
 from mbsnet_speech.augment import Augment
@@ -50,8 +50,15 @@ class MBSNetConfig:
     shifts: int = 1
     # how the model runs, not what it computes: `train --resume` may change these
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "scan", "pcs", "keep_noisy", "shifts")
+    RANGES: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(("sample_rate", "n_fft", "hop", "win", "channels", "num_layers", "d_state", "d_conv"),
+                        ">=1"),
+        **dict.fromkeys(("compress", "band_growth", "expand"), ">0"),
+        "head_hidden": ">=0",
+    }  # fmt: skip
 
     def __post_init__(self) -> None:
+        check_config(self)
         if self.scan not in ("chunked", "materialise"):
             raise ValueError(f"scan must be 'chunked' or 'materialise', got {self.scan!r}")
         if self.num_bands < 1 or self.num_bands > self.n_bins:

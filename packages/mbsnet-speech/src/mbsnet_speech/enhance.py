@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.flags import Parser, add_threads_arg, apply_threads, check_numbers
-from memfit.train.outputs import check_outputs
+from memfit.train.outputs import check_outputs, output_files
 from memfit.train.run_dir import resolve_run
 
 from mbsnet_speech.data import AUDIO_EXTS, MIN_SAMPLES, SAMPLE_RATE, conversion_notes, read_blocks
@@ -133,22 +132,17 @@ def enhance_stream(
     overlap: int = SAMPLE_RATE // 2,
 ) -> float:
     """Enhance an audio file into a 16 kHz mono 16-bit wav, reading and writing in blocks (data.read_blocks),
-    so memory does not grow with the file's length; the seconds written. The output is written to a
-    temporary name and renamed at the end: an error leaves no half-written file."""
-    dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp{os.getpid()}")
+    so memory does not grow with the file's length; the seconds written. The output goes through memfit's
+    one output path (memfit.train.outputs): a temporary file renamed at the end, removed on an error, a
+    full disk, Ctrl-C or SIGTERM; the caller has decided whether dst may be replaced."""
     n = 0
-    try:
+    with output_files([dst], overwrite=True) as (tmp,):
         with sf.SoundFile(str(tmp), "w", SAMPLE_RATE, 1, subtype="PCM_16", format="WAV") as out:
             for y in enhance_blocks(fn, read_blocks(src), chunk, overlap):
                 out.write(np.clip(y, -1.0, 1.0))
                 n += len(y)
         if n == 0:
             raise ValueError(f"{src} contains no samples")
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
     return n / SAMPLE_RATE
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.train.outputs import output_files, write_file, write_text
 from memfit.train.run_dir import resolve_run
 
 from mbsnet_speech.classical import wiener_enhance
@@ -106,8 +107,7 @@ def load_pairs(
 
 def write_csv(path: Path, results: list[tuple[str, PairResult]]) -> None:
     """One row per file of every set: [(set label, result)]."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
+    with output_files([path], overwrite=True) as (tmp,), open(tmp, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(
             ["set", "file", *(f"noisy_{m}" for m in METRICS), *(f"enhanced_{m}" for m in METRICS), "error"]
@@ -167,9 +167,10 @@ def spectrogram_png(
     axes[-1].set_xlabel("time (s)")
     fig.suptitle(title)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        write_file(path, lambda tmp: fig.savefig(tmp, dpi=100, format="png"), overwrite=True)
+    finally:
+        plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         reports.append(score_set(fn, label, items, out_dir, first=not reports))
     write_csv(out_dir / "metrics.csv", [(r["data"], res) for r in reports for res in r.pop("_results")])
     report = {"checkpoint": state["path"], "step": state.get("step"), **reports[0], "sets": reports}
-    (out_dir / "metrics.json").write_text(json.dumps(report, indent=1))
+    write_text(out_dir / "metrics.json", json.dumps(report, indent=1), overwrite=True)
     print(f"\nwrote {out_dir / 'metrics.csv'}, {out_dir / 'metrics.json'} and {out_dir / 'spectrogram.png'}")
     return reports[0]["summary"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from memfit.train import config
-from memfit.train.config import check_fields
+from memfit.train.config import check_config, check_fields
 from memfit.train.settings import LoopConfig, Settings
 
 
@@ -70,8 +70,15 @@ class TriplaneConfig:
     # training-time ray budget per scene (random subset of target-view pixels)
     rays_per_scene: int = 4096
     num_targets: int = 4  # target views per scene
+    RANGES: ClassVar[dict[str, str]] = {
+        **dict.fromkeys(("image_size", "patch_size", "encoder_dim", "encoder_depth", "encoder_heads",
+                         "plane_res", "width", "heads", "head_dim", "depth", "ff_mult", "out_channels",
+                         "decoder_hidden", "decoder_layers", "rays_per_scene", "num_targets"), ">=1"),
+        "bbox": ">0",
+    }  # fmt: skip
 
     def __post_init__(self) -> None:
+        check_config(self)  # sizes first: the checks below divide by them
         checks = [
             (self.image_size % self.patch_size == 0, "image_size must be a multiple of patch_size"),
             (self.encoder_dim % self.encoder_heads == 0, "encoder_dim must be divisible by encoder_heads"),

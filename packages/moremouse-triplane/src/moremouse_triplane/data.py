@@ -316,6 +316,8 @@ class FolderScenes:
             meta = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ValueError(f"{path}: JSON nested too deeply to be cameras") from None
         frames = meta.get("frames") if isinstance(meta, dict) else None
         if not isinstance(frames, list) or not frames:
             raise ValueError(

@@ -26,6 +26,7 @@ from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.train.metrics import psnr_per_image
+from memfit.train.outputs import write_file, write_text
 from memfit.train.run_dir import resolve_run
 from PIL import Image
 
@@ -134,6 +135,11 @@ def score_scenes(
     }
 
 
+def _save_image(image: Image.Image, path: Path, **kwargs) -> None:
+    """PIL's save through memfit's one output path (whole or not at all; a full disk is one line)."""
+    write_file(path, lambda tmp: image.save(tmp, **kwargs), overwrite=True)
+
+
 def evaluate(
     model: TriplaneGenerator, source, num_scenes: int, device: torch.device, out: Path | None = None
 ) -> dict:
@@ -147,18 +153,19 @@ def evaluate(
         for ev, pred in list(zip(scenes, preds))[:STRIP_SCENES]:
             rows.append([ev["input"], *ev["images"]])
             rows.append([None, *pred])
-        Image.fromarray(_grid(rows)).save(out / "views.png")
+        _save_image(Image.fromarray(_grid(rows)), out / "views.png", format="PNG")
         res["views_png"] = str(out / "views.png")
         orbit_rows = []
         for ev in scenes[:ORBIT_SCENES]:
             K, c2w = orbit_cameras(ev["K"][0], ev["c2w"][0])
             frames = render_views(model, ev, K.to(device), c2w.to(device)).cpu()
             orbit_rows.append([ev["input"], *frames])
-        Image.fromarray(_grid(orbit_rows)).save(out / "orbit.png")
+        _save_image(Image.fromarray(_grid(orbit_rows)), out / "orbit.png", format="PNG")
         gif = [
             Image.fromarray(_grid([[row[0], row[1 + f]] for row in orbit_rows])) for f in range(ORBIT_FRAMES)
         ]
-        gif[0].save(out / "orbit.gif", save_all=True, append_images=gif[1:], duration=120, loop=0)
+        frames = {"save_all": True, "append_images": gif[1:], "duration": 120, "loop": 0}
+        _save_image(gif[0], out / "orbit.gif", format="GIF", **frames)
         res["orbit_png"], res["orbit_gif"] = str(out / "orbit.png"), str(out / "orbit.gif")
     return res
 
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"wrote {res['views_png']} (per scene: input + views, truth above prediction), {res['orbit_png']}, "
         f"{res['orbit_gif']}"
     )
-    (out / "eval.json").write_text(json.dumps(res, indent=1))
+    write_text(out / "eval.json", json.dumps(res, indent=1), overwrite=True)
     return res
 
 

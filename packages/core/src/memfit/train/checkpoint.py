@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import re
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from memfit.errors import first_line
+from memfit.errors import UsageError, first_line
+from memfit.train.outputs import write_file, write_text
 
 CKPT_PATTERN = re.compile(r"^ckpt_(\d+)\.pt$")
 BEST_NAME = "best.pt"
 CHECKPOINT_FORMAT = 1  # version of the checkpoint schema: format, system, step, model, optimizer, rng, ...
+
+
+def memfit_version() -> str:
+    """The installed memfit-core's version: what checkpoints and exports record as their writer."""
+    try:
+        return version("memfit-core")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
 
 
 def _rng_state() -> dict[str, Any]:
@@ -59,31 +68,20 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def _write_atomic(path: Path, write: Callable[[Any], None]) -> Path:
-    """write(file) into a temp file beside path, fsync, rename: readers never see half a file, and a
-    failure (full disk, Ctrl-C) leaves no temp file behind."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX: a reader sees the old file or the new one, never half
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_atomic(path: Path, state: dict[str, Any]) -> Path:
-    """torch.save to path atomically (temp file, fsync, rename)."""
-    return _write_atomic(path, lambda f: torch.save(state, f))
+    """torch.save to path through the one output path (memfit.train.outputs: temp file, fsync, rename; a
+    failure, Ctrl-C or SIGTERM leaves no temp file)."""
+
+    def save(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+
+    return write_file(path, save, overwrite=True)
 
 
 def write_text_atomic(path: Path, text: str) -> Path:
-    """A text file written atomically (temp file, fsync, rename)."""
-    return _write_atomic(path, lambda f: f.write(text.encode()))
+    """A text file of the run written atomically (memfit.train.outputs), replacing the run's own."""
+    return write_text(path, text, overwrite=True)
 
 
 def save_checkpoint(run_dir: str | Path, step: int, state: dict[str, Any], keep_last: int = 3) -> Path:
@@ -169,6 +167,21 @@ MODEL_KEYS = ("format", "system", "config", "model")
 RESUME_KEYS = (*MODEL_KEYS, "step", "optimizer", "scaler", "rng")
 
 
+def refuse_newer_format(doc: dict[str, Any], path: Path, what: str = "checkpoint") -> None:
+    """UsageError naming the file and the memfit that wrote it when `doc` (a checkpoint, an export's
+    config.json) is of a newer format than this memfit reads: a newer memfit's work is never skipped,
+    deleted or half-read, whatever else is tried."""
+    fmt = doc.get("format")
+    if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > CHECKPOINT_FORMAT:
+        by = doc.get("memfit_version")
+        writer = f"memfit {by}" if isinstance(by, str) else "a newer memfit (its version is not recorded)"
+        raise UsageError(
+            f"error: {path} is a {what} of format {fmt}, written by {writer}; this memfit "
+            f"({memfit_version()}) reads format {CHECKPOINT_FORMAT}: upgrade memfit to use it (the file is "
+            "left as it is)"
+        )
+
+
 def check_checkpoint(state: dict[str, Any], path: Path, required: tuple[str, ...] = MODEL_KEYS) -> None:
     """ValueError naming the file and the entry when a checkpoint lacks a required entry or holds the
     wrong kind of value anywhere (checked before anything is restored)."""
@@ -178,6 +191,15 @@ def check_checkpoint(state: dict[str, Any], path: Path, required: tuple[str, ...
     for key, value in state.items():
         if key in _SCHEMA and (key in required or value is not None) and not _SCHEMA[key][0](value):
             raise ValueError(f"{path}: its {key!r} entry is not {_SCHEMA[key][1]}")
+
+
+def nonfinite_parameter(model: torch.nn.Module) -> str | None:
+    """'decoder.weight holds NaN' for the first parameter with a NaN or an infinity; None when all are
+    finite. A model with such weights only computes garbage (a constant wav, NaN scores)."""
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            return f"{name} holds {'NaN' if bool(torch.isnan(p).any()) else 'infinity'}"
+    return None
 
 
 class WeightsMismatch(ValueError):
@@ -190,12 +212,14 @@ def load_intact(
 ) -> tuple[Any, Path, list[tuple[Path, str]]]:
     """The first of `candidates` that reads, passes check_checkpoint and `use(state, path)` (which raises
     ValueError for weights that do not fit); returns (use's result, its path, [(skipped path, why)]).
-    `train --resume` and `eval` both fall back through this one function."""
+    `train --resume` and `eval` both fall back through this one function. A checkpoint of a newer format
+    stops the search (UsageError): it is another memfit's work, not a broken file."""
     skipped: list[tuple[Path, str]] = []
     errors: list[ValueError] = []
     for path in candidates:
         try:
             state = load_checkpoint(path)
+            refuse_newer_format(state, path)  # not a broken file to fall back from: a UsageError
             check_checkpoint(state, path, required)
             return use(state, path), path, skipped
         except ValueError as e:

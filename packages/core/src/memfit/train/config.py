@@ -5,11 +5,19 @@ dict a checkpoint stores and back (an unknown key is an error naming it: a check
 another version, or a typo, is never half-read). ``get_config(presets, name, **overrides)`` copies a named
 preset with fields replaced; ``check_fields(self, lr=">0")`` validates numbers in ``__post_init__``.
 Each package's ``config.get_config(name, **overrides)`` is this function bound to its PRESETS.
+
+Every number a user can give a config is validated in one place, ``check_config``: each field's declared
+range (the class's ``RANGES``, e.g. ``{"channels": ">=1", "seed": "0..2**63-1"}``) and the rules every
+number obeys (finite; an int within 64 bits). It runs wherever values enter a config from outside: flags
+and files (``memfit.train.settings.override``, so at parse time), checkpoints and exports (``from_dict``)
+and load-time overrides (``with_overrides``); a config whose ``__post_init__`` divides by a size calls it
+first.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, fields, is_dataclass, replace
 from typing import Any, TypeVar
@@ -18,25 +26,63 @@ from memfit.errors import UsageError, first_line
 
 C = TypeVar("C")
 
-_RULES: dict[str, tuple[Callable[[float], bool], str]] = {
-    ">0": (lambda v: v > 0, "> 0"),
-    ">=0": (lambda v: v >= 0, ">= 0"),
-    ">=1": (lambda v: v >= 1, ">= 1"),
-}
+INT64_MAX = 2**63 - 1
+_BOUND = r"-?(?:2\*\*\d+(?:-1)?|\d+(?:\.\d*)?(?:e-?\d+)?)"
+_RULE = re.compile(rf"^(?:(?P<op>>=|>|<=|<)(?P<bound>{_BOUND})|(?P<low>{_BOUND})\.\.(?P<high>{_BOUND}))$")
+
+
+def _bound(text: str) -> float:
+    if "**" in text:  # 2**63-1: the int64 limits that seeds and sizes live within
+        base, _, rest = text.lstrip("-").partition("**")
+        exp, _, minus = rest.partition("-")
+        value = int(base) ** int(exp) - int(minus or 0)
+        return -value if text.startswith("-") else value
+    return float(text) if any(c in text for c in ".e") else int(text)
+
+
+def _rule(rule: str) -> tuple[Callable[[float], bool], str]:
+    """A range rule -> (test, text): ">0", ">=1", ">=0.0001", "<1" and "LOW..HIGH" (inclusive)."""
+    m = _RULE.match(rule.replace(" ", ""))
+    if m is None:
+        raise ValueError(f"not a range rule: {rule!r} (>0, >=1, >=0.0001, 0..2**63-1)")
+    if m["op"]:
+        b, op = _bound(m["bound"]), m["op"]
+        tests = {">": lambda v: v > b, ">=": lambda v: v >= b, "<": lambda v: v < b, "<=": lambda v: v <= b}
+        return tests[op], f"{op} {m['bound']}"
+    low, high = _bound(m["low"]), _bound(m["high"])
+    return (lambda v: low <= v <= high), f"in {m['low']}..{m['high']}"
 
 
 def check_fields(obj: Any, **rules: str) -> None:
     """check_fields(self, lr=">0", batch_size=">=1") raises ValueError "lr must be > 0, got 0" (rules
-    ">0", ">=0", ">=1"; None is skipped; NaN, infinity, bools and strings are refused)."""
+    ">0", ">=0", ">=1", any ">x" / ">=x" / "<x" / "<=x", and "LOW..HIGH"; None is skipped; NaN, infinity,
+    bools and strings are refused)."""
     for name, rule in rules.items():
         value = getattr(obj, name, None)
         if value is None:
             continue
-        ok, text = _RULES[rule]
+        ok, text = _rule(rule)
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not number or not math.isfinite(value) or not ok(value):
             shown = f"{value:g}" if number else repr(value)
             raise ValueError(f"{name} must be {text}, got {shown}")
+
+
+def check_config(obj: Any) -> None:
+    """Validate a config dataclass's numbers: every field's declared range (its class's RANGES, {field:
+    rule} as check_fields takes), and what every number obeys, declared or not: finite (NaN and infinity
+    are never a rate, a weight or a size) and, for an int, within 64 bits (torch's seeds and sizes).
+    ValueError "channels must be >= 1, got 0" (the field first, as __post_init__ messages)."""
+    check_fields(obj, **getattr(type(obj), "RANGES", {}))
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{f.name} must be a finite number, got {v}")
+            if isinstance(v, int) and not -INT64_MAX - 1 <= v <= INT64_MAX:
+                raise ValueError(f"{f.name} must fit in 64 bits (|x| < 2**63), got {v:g}")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -66,7 +112,9 @@ def from_dict(cls: type[C], d: Mapping[str, Any]) -> C:
     unknown = sorted(set(d) - names)
     if unknown:
         raise ValueError(f"{cls.__name__} has no field {', '.join(map(repr, unknown))}")
-    return cls(**d)
+    cfg = cls(**d)
+    check_config(cfg)
+    return cfg
 
 
 def with_overrides(cfg: C, overrides: Mapping[str, Any]) -> C:
@@ -75,7 +123,9 @@ def with_overrides(cfg: C, overrides: Mapping[str, Any]) -> C:
     if not overrides:
         return cfg
     try:
-        return replace(cfg, **overrides)
+        new = replace(cfg, **overrides)
+        check_config(new)
+        return new
     except (TypeError, ValueError) as e:
         asked = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
         raise UsageError(f"error: {asked} does not fit this model: {first_line(e)}") from None

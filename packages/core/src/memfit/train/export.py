@@ -20,9 +20,14 @@ from typing import Any
 import torch
 
 from memfit.errors import UsageError, first_line
-from memfit.train.checkpoint import CHECKPOINT_FORMAT, write_text_atomic
+from memfit.train.checkpoint import (
+    CHECKPOINT_FORMAT,
+    memfit_version,
+    nonfinite_parameter,
+    refuse_newer_format,
+)
 from memfit.train.config import from_dict, with_overrides
-from memfit.train.outputs import check_outputs
+from memfit.train.outputs import check_outputs, output_files
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -52,7 +57,7 @@ def _evaluations(run_dir: Path) -> dict[str, dict[str, float]]:
     for path in sorted((run_dir / "eval").glob("*.json")) if (run_dir / "eval").is_dir() else []:
         try:
             doc = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
         nums = {k: v for k, v in _numbers(doc).items() if "/" not in k}
         if nums:
@@ -119,7 +124,8 @@ def model_card(system: Any, config: dict[str, Any], meta: dict[str, Any]) -> str
 
 def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Path = "runs",
                overwrite: bool = False) -> Path:  # fmt: skip
-    """Write the export folder of a run (its best.pt, else its newest intact checkpoint) to `out`."""
+    """Write the export folder of a run (its best.pt, else its newest intact checkpoint) to `out`: the three
+    files whole or none of them (memfit.train.outputs); a non-empty `out` only with `overwrite`."""
     from safetensors.torch import save_model
 
     model, state = system.load_model(run, "cpu", runs_dir=runs_dir)
@@ -127,6 +133,8 @@ def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Pa
     run_dir = source.parent
     out = Path(out)
     check_outputs([out], [run_dir], overwrite=True, flag="--out")  # never into the run it reads
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"error: --out {out} is a file; give a folder to export into")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UsageError(
             f"error: --out {out} is not empty; pass --overwrite to replace its files, or another --out"
@@ -142,25 +150,33 @@ def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Pa
         "source": str(source),
         "exported": time.strftime("%Y-%m-%d %H:%M"),
     }
-    doc = {"format": CHECKPOINT_FORMAT, "system": system.name, "config": state["config"], "meta": meta}
-    out.mkdir(parents=True, exist_ok=True)
-    save_model(model, str(out / WEIGHTS), metadata={"system": system.name, "format": str(CHECKPOINT_FORMAT)})
-    write_text_atomic(out / CONFIG, json.dumps(doc, indent=2) + "\n")
-    write_text_atomic(out / CARD, model_card(system, state["config"], meta))
+    doc = {"format": CHECKPOINT_FORMAT, "memfit_version": memfit_version(), "system": system.name,
+           "config": state["config"], "meta": meta}  # fmt: skip
+    tags = {"system": system.name, "format": str(CHECKPOINT_FORMAT)}
+    with output_files([out / WEIGHTS, out / CONFIG, out / CARD], overwrite=True) as (weights, config, card):
+        save_model(model, str(weights), metadata=tags)
+        config.write_text(json.dumps(doc, indent=2) + "\n")
+        card.write_text(model_card(system, state["config"], meta))
     return out
 
 
 def load_export(system: Any, path: str | Path, device: str | torch.device = "cpu", **overrides: Any):
     """(model in eval mode, {"config", "meta", "path", "step", "format", "system"}) from an export folder,
     with safetensors and json alone; overrides replace config fields (e.g. pcs=True)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_model
 
     path = Path(path)
     try:
         doc = json.loads((path / CONFIG).read_text())
-    except (OSError, ValueError) as e:
-        why = first_line(e)
+    except (OSError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else first_line(e)
         raise UsageError(f"error: {path / CONFIG}: not readable ({why}); export the run again") from None
+    if not isinstance(doc, dict):
+        raise UsageError(
+            f"error: {path / CONFIG}: not an export's config (a JSON object); export the run again"
+        )
+    refuse_newer_format(doc, path / CONFIG, "model export")
     if doc.get("format") != CHECKPOINT_FORMAT or doc.get("system") != system.name:
         raise UsageError(
             f"error: {path} holds a {doc.get('system')} model (format {doc.get('format')}), not a "
@@ -174,9 +190,19 @@ def load_export(system: Any, path: str | Path, device: str | torch.device = "cpu
     cfg = with_overrides(cfg, overrides)
     try:
         model = system.build_model(cfg)
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        raise UsageError(f"error: {path}: its config does not build a model ({first_line(e)})") from None
+    try:
         load_model(model, str(path / WEIGHTS), strict=True)
+    except SafetensorError as e:  # a torn copy: "incomplete metadata", "file too small"
+        raise UsageError(
+            f"error: {path / WEIGHTS} is truncated or damaged ({first_line(e)}); export the run again"
+        ) from None
     except (TypeError, ValueError, RuntimeError, KeyError, OSError) as e:
         raise UsageError(f"error: {path}: its weights do not fit its config ({first_line(e)})") from None
+    if bad := nonfinite_parameter(model):
+        raise UsageError(f"error: {path / WEIGHTS}: its weights are not finite ({bad}); export a run whose "
+                         "weights are (its training diverged, or the file is damaged)")  # fmt: skip
     meta = doc.get("meta") or {}
     info = {**doc, "path": str(path), "step": meta.get("step")}
     return model.to(device).eval(), info

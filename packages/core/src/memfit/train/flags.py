@@ -7,11 +7,12 @@ path).
 from __future__ import annotations
 
 import argparse
+import sys
 import typing
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import UsageError, os_error_message
+from memfit.errors import UsageError
 from memfit.train.config import check_fields
 
 
@@ -24,6 +25,26 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> typing.NoReturn:
         raise UsageError(f"error: {message}; see --help")
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        argv = list(sys.argv[1:] if args is None else args)
+        self._refuse_two_spellings(argv)
+        return super().parse_known_args(argv, namespace)
+
+    def _refuse_two_spellings(self, argv: list[str]) -> None:
+        """Two flags of one setting on one command line (--run and its old spelling --run_name): argparse
+        would keep the last one silently."""
+        used: dict[str, dict[int, str]] = {}
+        for token in argv:
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            action = self._option_string_actions.get(name) if name.startswith("--") else None
+            if action is not None:
+                used.setdefault(action.dest, {}).setdefault(id(action), name)
+        for dest, names in used.items():
+            if len(names) > 1:
+                self.error(f"{' and '.join(names.values())} both set {dest}; give one of them")
 
 
 def add_threads_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -69,20 +90,11 @@ def add_eval_args(parser: argparse.ArgumentParser, system: str, out: bool = True
 def eval_out_dir(args: argparse.Namespace, run_path: Path, inputs: tuple = ()) -> Path:
     """--out, or <run folder>/eval (the run's own: a new eval replaces its files); created here so an
     unwritable location fails before the work. --out may not lie inside an input (`inputs`, e.g. --data),
-    and a non-empty --out needs --overwrite."""
-    from memfit.train.outputs import check_outputs
+    and a non-empty --out needs --overwrite (memfit.train.outputs.output_dir)."""
+    from memfit.train.outputs import output_dir
 
     out = Path(args.out) if args.out else (run_path if run_path.is_dir() else run_path.parent) / "eval"
-    check_outputs([out], [p for p in inputs if p], overwrite=True)
-    if args.out and out.is_dir() and any(out.iterdir()) and not getattr(args, "overwrite", False):
-        raise UsageError(
-            f"error: --out {out} is not empty; pass --overwrite to replace its files, or another --out"
-        )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"error: cannot create the output folder: {os_error_message(e)}") from None
-    return out
+    return output_dir(out, inputs, overwrite=getattr(args, "overwrite", False), own=not args.out)
 
 
 def hidden_alias(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *names: str, **kw: Any) -> None:

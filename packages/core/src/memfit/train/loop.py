@@ -46,6 +46,7 @@ from memfit.train.checkpoint import (
     _set_rng_state,
     list_checkpoints,
     load_intact,
+    memfit_version,
     save_checkpoint,
     write_atomic,
 )
@@ -64,9 +65,10 @@ def set_seed(seed: int) -> None:
 
 
 def step_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:
-    """A CPU generator seeded by (seed, step, micro, rank): batches that do not depend on history."""
+    """A CPU generator seeded by (seed, step, micro, rank): batches that do not depend on history. (Taken
+    modulo 2**64, torch's seed range, so a large --seed cannot overflow it; smaller values are unchanged.)"""
     g = torch.Generator()
-    g.manual_seed(((seed * 1_000_003 + step) * 1_009 + micro) * 101 + rank)
+    g.manual_seed((((seed * 1_000_003 + step) * 1_009 + micro) * 101 + rank) % 2**64)
     return g
 
 
@@ -305,6 +307,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         return {
             "format": CHECKPOINT_FORMAT,
+            "memfit_version": memfit_version(),  # the writer: named when a memfit that cannot read it refuses
             "system": self.system,
             "step": self.step,
             "progress": {"seconds": self.seconds},
@@ -326,10 +329,9 @@ class Trainer:
             return None
         try:
             return save_checkpoint(self.run_dir, self.step, self.state_dict(), self.cfg.keep_last)
-        except OSError as e:
-            raise UsageError(
-                f"error: could not save the step-{self.step} checkpoint: {os_error_message(e)}"
-            ) from None
+        except (OSError, UsageError) as e:
+            why = os_error_message(e) if isinstance(e, OSError) else str(e).removeprefix("error: ")
+            raise UsageError(f"error: could not save the step-{self.step} checkpoint: {why}") from None
 
     def _restore(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
         """Restore the weights, optimizer and EMA of one checkpoint (load_intact's `use`): UsageError for a

@@ -1,4 +1,7 @@
 """The one metrics writer: JSON lines in run_dir/metrics.jsonl, always; TensorBoard events too on request.
+And the one reader, ``read_rows``: a line that does not parse (a crash mid-write, a disk error: bytes that
+are not UTF-8, not JSON, not a row) is skipped with one warning naming it, so a damaged line never makes
+a run unresumable or unplottable (--resume, plot and the model card all read through it).
 
 TensorBoard needs the optional extra (`uv sync --extra tensorboard`, i.e. the `tensorboard` package that
 torch.utils.tensorboard writes with); asking for it without the extra is a one-line error, not a
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,48 @@ TENSORBOARD_HINT = (
     "error: --tensorboard needs the optional tensorboard extra: `uv sync --all-packages --extra tensorboard` "
     "(or `pip install tensorboard`); metrics.jsonl is written without it"
 )
+
+
+MAX_WARNINGS = 5  # lines named one by one; more bad lines are counted in one further warning
+
+
+def parse_row(line: bytes) -> tuple[dict[str, Any] | None, str]:
+    """(the row, "") for a metrics line: a JSON object with an integer "step"; (None, why) otherwise."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "not UTF-8 text"
+    try:
+        row = json.loads(text)
+    except ValueError:
+        return None, "not JSON"
+    except RecursionError:
+        return None, "JSON nested too deeply"
+    step = row.get("step") if isinstance(row, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None, "not a metrics row (a JSON object with a step)"
+    return row, ""
+
+
+def read_rows(path: Path, action: str = "skipped") -> list[tuple[bytes, dict[str, Any]]]:
+    """(line, row) for each line of a metrics.jsonl that parses (parse_row); each other line is `action`
+    with one warning on stderr naming it (blank lines silently). OSError if the file cannot be read."""
+    good, bad = [], []
+    for n, line in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not line.strip():
+            continue
+        row, why = parse_row(line)
+        if row is None:
+            bad.append((n, why))
+        else:
+            good.append((line, row))
+    for n, why in bad[:MAX_WARNINGS]:
+        print(f"[memfit] {path}: line {n} is {why} (a torn or damaged write?); {action}", file=sys.stderr)
+    if len(bad) > MAX_WARNINGS:
+        print(
+            f"[memfit] {path}: {len(bad) - MAX_WARNINGS} more lines do not parse; {action}", file=sys.stderr
+        )
+    return good
 
 
 def tensorboard_writer(log_dir: Path, purge_step: int | None = None) -> Any:

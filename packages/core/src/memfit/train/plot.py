@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from memfit.errors import UsageError
-from memfit.train.outputs import check_outputs
+from memfit.train.metrics_log import read_rows
+from memfit.train.outputs import check_outputs, write_file
 from memfit.train.run_dir import METRICS_NAME
 
 
 def read_metrics(run: Path) -> list[dict]:
-    """The rows of run/metrics.jsonl (unreadable lines skipped); UsageError when there is none."""
+    """The rows of run/metrics.jsonl (a line that does not parse is skipped with a warning naming it:
+    metrics_log.read_rows); UsageError when there is no such file."""
     path = run / METRICS_NAME
     if not path.is_file():
         raise UsageError(f"error: {run} has no {METRICS_NAME}; pass a run folder that `train` wrote")
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows
+    return [row for _, row in read_rows(path)]
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -33,18 +26,23 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in pts], [v for _, v in pts]
 
 
-def plot_run(run: Path, out: Path | None = None) -> Path:
-    """Write the run's curves (loss and learning rate; one panel per validation metric) to `out`."""
+def plot_run(run: Path, out: Path | None = None, overwrite: bool = False) -> Path:
+    """Write the run's curves (loss and learning rate; one panel per validation metric) to `out`, a PNG
+    (default: the run's own curves.png, replaced each time); an existing `out` only with `overwrite`."""
+    if out is not None and out.suffix.lower() != ".png":
+        raise UsageError(f"error: --out {out}: plot writes a PNG; give a file name ending in .png")
+    if out is not None:  # refused before the work: never over the metrics, never over a file unasked
+        check_outputs([out], [run / METRICS_NAME], overwrite=overwrite, flag="--out")
+    rows = read_metrics(run)
+    if not any("loss" in r for r in rows):
+        raise UsageError(f"error: {run / METRICS_NAME} has no training rows yet; plot after some steps")
+    own = out is None
+    out = out or run / "curves.png"
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(run)
-    if not any("loss" in r for r in rows):
-        raise UsageError(f"error: {run / METRICS_NAME} has no training rows yet; plot after some steps")
-    out = out or run / "curves.png"
-    check_outputs([out], [run / METRICS_NAME], overwrite=True, flag="--out")
     evals = sorted({k for r in rows for k in r if k.startswith("eval/")})
     fig, axes = plt.subplots(1, 1 + len(evals), figsize=(4.5 * (1 + len(evals)), 3.4), squeeze=False)
     ax = axes[0][0]
@@ -62,7 +60,8 @@ def plot_run(run: Path, out: Path | None = None) -> Path:
         ax.set_xlabel("step")
         ax.set_title("evaluated: " + key.removeprefix("eval/"))
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        write_file(out, lambda tmp: fig.savefig(tmp, dpi=110, format="png"), overwrite=own or overwrite)
+    finally:
+        plt.close(fig)
     return out

@@ -3,27 +3,28 @@
 - A folder that already holds a run (checkpoints or metrics) is continued only with ``--resume``,
   replaced only with ``--overwrite``; otherwise `train` refuses, naming both and ``--run_name``.
   ``--overwrite`` deletes nothing: the old run moves aside to ``<run_name>.old-<time>/`` beside it.
-- Temp files of a save that a kill interrupted (``.ckpt_*.pt.tmp<pid>``) are removed at the next start.
+- Temp files of a save that a kill interrupted (``.ckpt_*.pt.tmp<pid>``) are removed at the next start
+  (memfit.train.outputs.remove_stale_temps).
 - ``.lock`` holds the pid of the live trainer; a second trainer is refused while that pid lives, and a
   lock left by a dead process is taken over.
 - On resume, metrics rows after the resumed step are dropped, so a run's metrics.jsonl has one row per
-  step however often it was interrupted.
+  step however often it was interrupted; so is a line that does not parse (torn by a crash), with a
+  warning naming it (metrics_log.read_rows).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 from memfit.errors import UsageError, os_error_message
 from memfit.train.checkpoint import BEST_NAME, list_checkpoints
+from memfit.train.metrics_log import read_rows
+from memfit.train.outputs import pid_alive, remove_stale_temps, write_file
 
 LOCK_NAME = ".lock"
-STALE_TEMP = re.compile(r"^\..+\.tmp(\d+)$")  # checkpoint.write_atomic's temp file, named by its pid
 METRICS_NAME = "metrics.jsonl"
 
 
@@ -41,18 +42,6 @@ def resolve_run(run: str | Path | None, system: str, runs_dir: str | Path = "run
         f"error: no run {name!r}: no such path and no run of that name in {base}; "
         "train first, or pass --run RUN_NAME (and its --runs_dir) or a run folder / .pt file"
     )
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by someone else
-        return True
-    return True
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -80,7 +69,7 @@ class RunFolder:
                 f"error: cannot create the run folder {self.path}: {os_error_message(e)}"
             ) from None
         self._lock()
-        self._remove_stale_temp_files()
+        remove_stale_temps(self.path, "an interrupted save")
         if holds_run(self.path) and not resume:
             if overwrite:
                 self._clear()
@@ -102,7 +91,7 @@ class RunFolder:
                     pid = int(self.lock.read_text().strip() or 0)
                 except (OSError, ValueError):
                     pid = 0
-                if pid != os.getpid() and _pid_alive(pid):
+                if pid != os.getpid() and pid_alive(pid):
                     raise UsageError(
                         f"error: {self.path} is in use by another trainer (pid {pid}); wait for it to "
                         "finish, stop it, or train into another --run_name"
@@ -138,14 +127,6 @@ class RunFolder:
             raise UsageError(f"error: --overwrite: could not move the old run aside: {why}") from None
         print(f"[memfit] --overwrite: the previous run is now {aside}", file=sys.stderr)
 
-    def _remove_stale_temp_files(self) -> None:
-        """Temp files of saves whose process died (kill -9 mid-save): never a checkpoint, never read."""
-        for p in self.path.glob(".*.tmp*"):
-            m = STALE_TEMP.match(p.name)
-            if m and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-                p.unlink(missing_ok=True)
-                print(f"[memfit] removed {p.name}, left by an interrupted save", file=sys.stderr)
-
     def release(self) -> None:
         if self.locked:
             try:
@@ -156,23 +137,14 @@ class RunFolder:
             self.locked = False
 
     def truncate_metrics(self, step: int) -> int:
-        """Drop metrics rows after `step` (and unreadable ones); returns how many were dropped."""
+        """Drop metrics rows after `step`, and lines that do not parse (each named in a warning); returns
+        how many rows were dropped after `step`."""
         path = self.path / METRICS_NAME
         if not path.exists():
             return 0
-        kept, dropped = [], 0
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-                ok = isinstance(row, dict) and int(row.get("step", 0)) <= step
-            except (ValueError, TypeError):
-                ok = False
-            if ok:
-                kept.append(line)
-            else:
-                dropped += 1
-        if dropped:
-            tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-            tmp.write_text("".join(x + "\n" for x in kept))
-            os.replace(tmp, path)
-        return dropped
+        lines = path.read_bytes().split(b"\n")
+        rows = read_rows(path, action="dropped")
+        kept = [line for line, row in rows if row["step"] <= step]
+        if len(kept) < sum(1 for line in lines if line.strip()):
+            write_file(path, lambda tmp: tmp.write_bytes(b"".join(x + b"\n" for x in kept)), overwrite=True)
+        return len(rows) - len(kept)

@@ -24,10 +24,10 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from memfit.errors import UsageError, os_error_message
-from memfit.train.config import check_fields
+from memfit.train.config import check_config, check_fields
 from memfit.train.flags import Parser
 
 CONFIG_NAME = "config.json"  # the settings a run was started with, in its run folder
@@ -66,8 +66,10 @@ class LoopConfig:
     # Estimate the step's memory before the first step and refuse a run that will not fit
     # (memfit.estimate.preflight)
     preflight: bool = True
+    RANGES: ClassVar[dict[str, str]] = {"seed": "0..2**63-1"}  # torch.manual_seed's range
 
     def __post_init__(self) -> None:
+        check_config(self)
         check_fields(self, steps=">=0", grad_accum=">=1", keep_last=">=1", log_every=">=1")
         check_fields(self, save_every=">=0", grad_clip=">=0", max_minutes=">0", threads=">=1")
         check_fields(self, measure_memory_steps=">=0")
@@ -210,7 +212,9 @@ def override(tree: Any, changes: Mapping[str, Any], prefix: str = "") -> Any:
             raise SettingError(prefix + head, "is a value, not a group of settings")
         direct[head] = override(current, sub, prefix + head + ".")
     try:
-        return replace(tree, **direct)
+        new = replace(tree, **direct)
+        check_config(new)  # the declared ranges and finite numbers: every flag and file key passes here
+        return new
     except (ValueError, TypeError) as e:
         if isinstance(e, SettingError):
             raise
@@ -257,6 +261,9 @@ def read_config_file(path: str | Path, system: str) -> dict[str, Any]:
         raise UsageError(f"error: --config: {os_error_message(e)}") from None
     except ValueError as e:
         raise UsageError(f"error: --config {path}: not valid JSON ({e}); give a run's config.json") from None
+    except RecursionError:
+        raise UsageError(f"error: --config {path}: JSON nested too deeply to be a config; give a run's "
+                         "config.json") from None  # fmt: skip
     if not isinstance(doc, dict):
         raise UsageError(f"error: --config {path}: expected a JSON object (a run's config.json)")
     if doc.get("system") not in (None, system):
@@ -362,6 +369,7 @@ class TrainParser:
         self.paths: dict[str, str] = {}  # argparse dest -> settings path
         self.expand: set[str] = set()  # dests whose value is a {field: value} dict under the path
         self.flag_names: dict[str, str] = {}  # settings path -> the flag's name (for messages)
+        self.dest_flags: dict[str, str] = {}  # argparse dest -> the flag's name (for messages)
         self._help_presets: dict[str, Settings] | None = None
         g = self.group("run (memfit)")
         choices = ", ".join(["auto", *presets] if auto else presets)
@@ -406,6 +414,7 @@ class TrainParser:
         for old in hidden:
             group.add_argument(old, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
         self.paths[dest] = path
+        self.dest_flags[dest] = names[0]
         if expand:
             self.expand.add(dest)
         self.flag_names.setdefault(path, names[0])
@@ -524,6 +533,13 @@ class TrainParser:
             self._loop_flags()
             self._loop_added = True
         args = self.parser.parse_args(argv)
+        set_by: dict[str, list[str]] = {}  # path -> the flags that set it (default SUPPRESS: given ones only)
+        for dest, path in self.paths.items():
+            if hasattr(args, dest):
+                set_by.setdefault(path, []).append(self.dest_flags[dest])
+        for path, names in set_by.items():
+            if len(names) > 1:  # two spellings of one setting (--steps and the seed's --num_iterations)
+                raise UsageError(f"error: {' and '.join(names)} both set {path}; give one of them")
         flags: dict[str, Any] = {}
         for dest, path in self.paths.items():
             if hasattr(args, dest):
