@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ginr_cifar.config import default_cache_dir  # noqa: F401 - data's name for it too
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".gif", ".tif", ".tiff", ".webp")
 SPLITS = ("train", "val", "holdout", "test", "all")
 SPLIT_SEED = 1234  # the held-out split never depends on the training seed
@@ -161,10 +163,6 @@ def _cache_key(files: list[Path]) -> str:
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
     return h.hexdigest()[:20]
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ginr_cifar"
 
 
 def load_image_files(files: list[Path], size: int = 32, cache_dir: str | Path | None = None) -> torch.Tensor:

@@ -11,9 +11,31 @@ from memfit.train import config
 from memfit.train.config import check_fields
 from memfit.train.settings import LoopConfig, Settings
 
-from mbsnet_speech.augment import Augment
-
 SAMPLE_RATE = 16_000
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Probability that each augmentation (augment.py) is applied to a training mix (0: never)."""
+
+    speed: float = 0.0  # speed perturbation x0.9..1.1 (tempo and pitch together, as Kaldi's)
+    eq: float = 0.0  # microphone colour: a random spectral tilt and two peaking bands
+    reverb: float = 0.0  # a synthetic room: exponentially decaying noise, RT60 0.15..0.7 s
+    gain: float = 0.0  # a quiet recording: mix peak 0.01..0.1 instead of 0.1..0.9
+    clip: float = 0.0  # a clipped recording: the noisy mix clipped at 30..80% of its peak (target not)
+    bandlimit: float = 0.0  # a narrow-band recording: speech and noise low-passed at 3.4..7 kHz
+
+    def __post_init__(self) -> None:
+        check_fields(self, **dict.fromkeys(self.__dataclass_fields__, ">=0"))
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) > 1:
+                raise ValueError(f"augment {name}={getattr(self, name):g} is a probability; give 0..1")
+
+
+def parse_names(spec: str) -> tuple[str, ...]:
+    """'ked,pc,nsh' -> ('ked', 'pc', 'nsh') (group names for data.split_groups); 'none' -> ()."""
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    return () if names == ("none",) else names
 
 
 @dataclass(frozen=True)
