@@ -82,7 +82,7 @@ def test_eval_of_the_shipped_model_writes_beside_the_runs_never_into_the_package
 
 def test_the_quick_start_trains_into_its_own_run_and_resumes_there(tmp_path):
     """`train` with the CPU recipe writes runs/mbsnet-speech/quickstart/ (never the shipped model's place
-    nor a bare `run`), and `--resume` without a run name finds it."""
+    nor a bare `run`), and `--resume` without a run name finds it; no run may be named `shipped`."""
     quick = ["--config", "cpu", "--batch_size", "2", "--seconds", "0.5", "--val_files", "0", "--no_progress"]
     quick += ["--no_preflight", "--device", "cpu", "--runs_dir", str(tmp_path)]
     train.main([*quick, "--steps", "1"])
@@ -92,6 +92,8 @@ def test_the_quick_start_trains_into_its_own_run_and_resumes_there(tmp_path):
     assert (run / "ckpt_0000002.pt").is_file()
     general = train.build_parser().parse(["--config", "general", "--device", "cpu"]).settings.loop
     assert general.run_name == "general"
+    with pytest.raises(UsageError, match="'shipped' is kept for a package's own weights"):
+        train.main([*quick, "--steps", "1", "--run_name", "shipped"])
 
 
 def test_enhance_takes_arrays_tensors_and_batches_at_any_rate():

@@ -85,11 +85,15 @@ class LoopConfig:
 
 def check_run_name(name: str) -> None:
     """A run name is one path component of letters, digits, '-', '_' and '.', so a run folder always
-    stays inside runs_dir/<system>/ (not '', '.', '..', 'a/b' or an absolute path)."""
+    stays inside runs_dir/<system>/ (not '', '.', '..', 'a/b' or an absolute path), and not 'shipped'."""
     if not isinstance(name, str) or not RUN_NAME.match(name) or name in (".", ".."):
         raise ValueError(
             f"run_name must be one folder name of letters, digits, '-', '_' and '.', got {name!r} "
             "(runs live in runs_dir/<system>/<run_name>; use --runs_dir to put them elsewhere)"
+        )
+    if name == "shipped":  # `--run shipped` names a package's own weights, never a run folder
+        raise ValueError(
+            "run_name 'shipped' is kept for a package's own weights (`--run shipped`); choose another"
         )
 
 
