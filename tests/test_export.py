@@ -42,8 +42,8 @@ def test_export_round_trips_bit_exactly_with_safetensors_alone(system, exported,
         raise AssertionError("an exported model must load without torch.load")
 
     monkeypatch.setattr(torch, "load", no_pickle)
-    model, info = sys_obj.from_pretrained(folder)
-    assert info["meta"]["preset"] and not model.training
+    model = sys_obj.from_pretrained(folder)
+    assert not model.training
     a, b = trained.state_dict(), model.state_dict()
     assert a.keys() == b.keys()
     for k in a:
@@ -51,9 +51,13 @@ def test_export_round_trips_bit_exactly_with_safetensors_alone(system, exported,
 
 
 @pytest.mark.parametrize("system", sorted(ALIASES))
-def test_eval_takes_an_exported_folder_as_its_run(system, exported):
+def test_eval_takes_an_exported_folder_as_its_run(system, exported, tmp_path):
+    """Its results go beside the runs (--runs_dir/<system>/<folder name>/eval), never into the export."""
     _, folder = exported[system]
-    assert evaluate(system, folder) == 0
+    before = sorted(p.name for p in folder.iterdir())
+    assert evaluate(system, folder, "--runs_dir", str(tmp_path)) == 0
+    assert any((tmp_path / system / folder.name / "eval").iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == before
 
 
 def test_export_refuses_to_write_into_its_run_or_over_files(exported, capsys):
@@ -77,19 +81,21 @@ def test_one_call_apis_work_from_an_exported_folder(exported):
     import mbsnet_speech
     import moremouse_triplane
 
-    texts = gpt2_window.generate("def ", exported["gpt2-window"][1], max_new_tokens=5, num_samples=2)
+    text = gpt2_window.generate("def ", exported["gpt2-window"][1], max_new_tokens=5)
+    assert isinstance(text, str) and text.startswith("def ") and len(text) == 9
+    texts = gpt2_window.samples("def ", exported["gpt2-window"][1], num_samples=2, max_new_tokens=5)
     assert len(texts) == 2 and all(t.startswith("def ") and len(t) == 9 for t in texts)
     images = torch.rand(3, 3, 32, 32)
     assert ginr_cifar.reconstruct(images, exported["ginr-cifar"][1]).shape == (3, 3, 32, 32)
     assert ginr_cifar.reconstruct(images, exported["ginr-cifar"][1], resolution=64).shape == (3, 3, 64, 64)
     with pytest.raises(ValueError, match="images must be"):
         ginr_cifar.reconstruct(torch.rand(3, 32, 32), exported["ginr-cifar"][1])
-    model, _ = moremouse_triplane.load(exported["moremouse-triplane"][1])
+    model = moremouse_triplane.load(exported["moremouse-triplane"][1])
     size = model.cfg.image_size
     mouse = exported["moremouse-triplane"][1]
     views = moremouse_triplane.render_views(torch.rand(3, size, size), mouse, views=3)
     assert views.shape == (3, 3, size, size) and views.min() >= 0 and views.max() <= 1
-    enhancer, _ = mbsnet_speech.load(exported["mbsnet-speech"][1])
+    enhancer = mbsnet_speech.load(exported["mbsnet-speech"][1])
     assert enhancer.cfg is not None
     for package in (ginr_cifar, gpt2_window, mbsnet_speech, moremouse_triplane):
         assert package.__version__ == "0.1.0"
@@ -149,3 +155,49 @@ def test_model_card_names_the_validation_figures_behind_a_compound_choice(tmp_pa
     best = {"metric": "choice", "value": -1.2375, "step": 5124}
     card = model_card(load_system("mbsnet-speech"), {}, {"step": 5124, "best": best, "validation": figures})
     assert "| validation | the run's best choice -1.238 (these weights), pesq 2.178, stoi 0.8836 |" in card
+
+
+@pytest.mark.parametrize("system", sorted(ALIASES))
+def test_an_export_is_readable_files_with_a_hugging_face_model_card(system, exported):
+    """Every file is written as an ordinary file (0644 under the usual umask; safetensors itself writes
+    0600), and README.md opens with the YAML metadata the Hugging Face Hub reads; its title names the
+    model's own size."""
+    import os
+
+    import yaml
+
+    _, folder = exported[system]
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json", "README.md"):
+        assert (folder / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+    card = (folder / "README.md").read_text()
+    head, _, body = card.removeprefix("---\n").partition("\n---\n")
+    meta = yaml.safe_load(head)
+    assert meta["library_name"] == "memfit" and meta["license"] == "apache-2.0"
+    assert {"memfit", system} <= set(meta["tags"]) and len(meta["tags"]) >= 3
+    assert isinstance(meta["datasets"], list) and isinstance(meta["metrics"], list)
+    params = json.loads((folder / "config.json").read_text())["meta"]["params"]
+    assert body.lstrip().startswith(f"# {system}: {params / 1e6:.2f}M parameters, `")
+    assert "GPT-2 124M" not in card
+
+
+def test_from_pretrained_returns_the_model_and_raises_ordinary_one_line_errors(exported, tmp_path, capsys):
+    """Hugging Face style: the model itself; a missing folder is a FileNotFoundError, a folder that is not
+    this system's export a ValueError, each one line, the same line a command prints."""
+    run, folder = exported["gpt2-window"]
+    gpt2 = load_system("gpt2-window")
+    assert isinstance(gpt2.from_pretrained(folder), torch.nn.Module)
+    with pytest.raises(FileNotFoundError, match=r"^error: .*nope does not exist; pass a folder") as e:
+        gpt2.from_pretrained(tmp_path / "nope")
+    with pytest.raises(ValueError, match="is not an exported model"):
+        gpt2.from_pretrained(run)
+    with pytest.raises(ValueError, match="holds a mbsnet-speech model") as other:
+        gpt2.from_pretrained(exported["mbsnet-speech"][1])
+    assert "\n" not in str(e.value) and "\n" not in str(other.value)
+    assert evaluate("gpt2-window", exported["mbsnet-speech"][1], "--out", str(tmp_path / "ev")) == 2
+    assert one_error_line(capsys).endswith(str(other.value))
+    import gpt2_window
+
+    with pytest.raises(FileNotFoundError, match="no run 'missing'"):
+        gpt2_window.load("missing", runs_dir=tmp_path)

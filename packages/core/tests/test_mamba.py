@@ -275,7 +275,7 @@ def test_torch_compile_of_a_mamba_block_runs_the_fused_kernels():
         assert same, f"{name}: compiled {compiled[2][name].abs().max()} vs eager {g.abs().max()}"
 
 
-def test_an_estimate_does_not_wait_for_the_kernel_build(tmp_path, monkeypatch):
+def test_an_estimate_does_not_wait_for_the_kernel_build(tmp_path, monkeypatch, capsys):
     """A memory estimate takes the fused kernel's fake ops without building it (the first `train` pre-flight
     on a machine stays fast); the lane count it sizes buffers by is the one the built kernel reports, and
     the estimate is the same before and after the build."""
@@ -298,9 +298,11 @@ def test_an_estimate_does_not_wait_for_the_kernel_build(tmp_path, monkeypatch):
 
         before = estimate_training_step(step()).peak_bytes
         assert not list(tmp_path.iterdir()) and K.library.cache_info().currsize == 0  # nothing built
+        capsys.readouterr()
         assert K.library() is not None and list(
             tmp_path.glob("scan_kernel-*.so")
-        )  # the first real use builds
+        )  # the first real use builds, and says where the kernel is kept
+        assert f"[memfit] building the fused CPU kernel once into {tmp_path}" in capsys.readouterr().err
         assert all(K.lanes(s) == K._predefined_lanes(s) for s in ("f32", "f64"))
         assert estimate_training_step(step()).peak_bytes == before
     finally:

@@ -60,6 +60,28 @@ def test_existing_run_needs_resume_or_overwrite(tmp_path):
     assert metric_steps(tmp_path) == [1, 2, 3]
 
 
+def test_a_folder_that_holds_a_run_is_refused_before_the_memory_preflight(tmp_path, monkeypatch):
+    """The user is not kept waiting for an estimate only to be refused: the refusal comes first."""
+    import memfit.train.loop as loop_module
+
+    trainer(tmp_path, steps=1).fit()
+    estimated = []
+    monkeypatch.setattr(loop_module, "preflight", lambda *args, **kwargs: estimated.append(args))
+
+    def again(**run):
+        cfg = LoopConfig(steps=2, amp="none", progress=False, device="cpu", preflight=True)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), loss_fn, make_batch,
+                       TrainRun.of(cfg, system="toy", **run), run_dir=tmp_path,
+                       memory_step=lambda batch, checkpointing: None, batch_size=16)  # fmt: skip
+
+    with pytest.raises(UsageError, match="already holds a run"):
+        again()
+    assert estimated == []
+    again(resume=True).folder.release()
+    assert len(estimated) == 1  # a run that may go on is estimated
+
+
 def test_lock_refuses_a_live_trainer_and_takes_over_a_stale_lock(tmp_path, capsys):
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

@@ -63,6 +63,37 @@ def test_ginr_validation_is_carved_from_training_and_never_touches_the_holdout(t
         load_split(root, "train", holdout=3, val=7)
 
 
+def test_ginr_cache_is_named_once_and_workers_fit_the_cpus_we_may_use(tmp_path, monkeypatch, capsys):
+    """A cached folder's cache location is said once per process (a run caches its train and validation
+    parts); DataLoader workers never outnumber the CPUs in this process's affinity (torch warned once per
+    loader otherwise)."""
+    import os
+    import warnings
+
+    from ginr_cifar import data
+
+    root = _folder(tmp_path, n=6)
+    monkeypatch.setattr(data, "_NAMED", set())
+    cache = tmp_path / "cache"
+    train = load_split(root, "train", holdout=2, val=1, cache_dir=cache)
+    val = load_split(root, "val", holdout=2, val=1, cache_dir=cache)
+    err = capsys.readouterr().err
+    assert (
+        err.count(f"[ginr] decoded images are cached in {cache}") == 1 and len(train) == 3 and len(val) == 1
+    )
+    assert sorted(p.suffix for p in cache.iterdir()) == [".pt", ".pt"]
+    monkeypatch.setattr(data, "LARGE", 2)  # decode these few files in workers, as a 50,000-image folder
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(mine)})  # one CPU allowed, whatever the machine has
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch's "This DataLoader will create N worker processes"
+            images = data.read_images(sorted(root.rglob("*.png")))
+    finally:
+        os.sched_setaffinity(0, mine)
+    assert images.shape == (6, 3, 32, 32)
+
+
 def test_ginr_wrong_size_is_rejected(tmp_path):
     root = _folder(tmp_path)
     _write(root / "cat" / "big.png", size=(40, 32))

@@ -90,9 +90,8 @@ def test_validation_keeps_the_best_checkpoint_and_eval_uses_it(tmp_path, capsys)
     capsys.readouterr()
     eval.main(["--run", str(run), "--pairs", "2", "--seconds", "1.5", "--out", str(tmp_path / "ev")])
     out = capsys.readouterr().out
-    assert (
-        f"checkpoint: {run / 'best.pt'} (step {best['step']})" in out and "2 generated held-out pairs" in out
-    )
+    line = f"model: {run / 'best.pt'} (`tiny` preset, {best['step']} steps on the built-in data)"
+    assert line in out.splitlines() and "2 generated held-out pairs" in out
     report = json.loads((tmp_path / "ev" / "metrics.json").read_text())
     assert report["checkpoint"] == str(run / "best.pt") and len(report["files"]) == 2
     assert np.isfinite(report["summary"]["classical/pesq_wb"])  # the Wiener baseline beside the model
@@ -291,14 +290,14 @@ def test_hop_flag_sets_the_stft_hop_and_refuses_one_longer_than_the_window():
 
 def test_general_preset_is_the_cpu_preset_with_the_generalising_recipe_flags():
     """`--config general` is the cpu preset with --hop 200, the PESQ and STOI terms at 0.6 and 10 and -SI-SDR
-    at 0.01, --ema 0.999, --no-pcs and --shifts 4; everything else the same, and a flag still overrides
-    it."""
+    at 0.01, --ema 0.999, --no-pcs and --shifts 4, in its own run folder; everything else the same, and a
+    flag still overrides it."""
 
     def settings(*flags):
         return train.build_parser().parse(["--device", "cpu", *flags]).settings
 
     spelled = ["--hop", "200", "--loss", "pesq=0.6,stoi=10,sisdr=0.01", "--ema", "0.999", "--no-pcs"]
-    spelled += ["--shifts", "4"]
+    spelled += ["--shifts", "4", "--run_name", "general"]
     general, cpu = settings("--config", "general"), settings("--config", "cpu")
     assert general == settings("--config", "cpu", *spelled)
     assert general != cpu and general.train.lr == cpu.train.lr and general.loop.threads == 1

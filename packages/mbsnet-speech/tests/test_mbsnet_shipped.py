@@ -34,7 +34,7 @@ def test_enhance_without_a_run_uses_the_shipped_model(tmp_path, speech, monkeypa
     sf.write(tmp_path / "noisy.wav", speech[1], 16000)
     written = enhance.main(["noisy.wav", "--out", "out"])
     assert written == [Path("out") / "noisy.wav"]
-    assert "the model shipped with mbsnet-speech" in capsys.readouterr().err
+    assert "model: the weights shipped with mbsnet-speech (`general` preset" in capsys.readouterr().err
     y, sr = sf.read(tmp_path / "out" / "noisy.wav")
     assert sr == 16000 and len(y) == len(speech[1]) and np.isfinite(y).all()
 

@@ -15,16 +15,24 @@ import json
 import os
 import sys
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from memfit import __version__
 from memfit.errors import UsageError, run_command
-from memfit.estimate import NO_CUDA_KERNELS_HELP, cuda_kernels_assumed
-from memfit.estimate import add_parser as estimate_parser
-from memfit.estimate.rules import assume_kernels, assumed_target
-from memfit.system import BudgetEntry, available_systems, load_system
+from memfit.system import available_systems, load_system
 from memfit.train.flags import Parser, check_numbers
+
+if TYPE_CHECKING:
+    from memfit.system import BudgetEntry
+
+# The commands whose parser needs the estimator (torch and more: seconds to import). Their parsers are
+# built only when one of them is asked for; `memfit --help`, `systems` and `train S --help` never load
+# torch (tests/test_cli_speed.py).
+HEAVY = {
+    "budget": "estimated training-step peak of every system vs its budget",
+    "fit": "largest batch (and whether checkpointing is needed) that fits a GPU",
+    "estimate": "training-step memory of any model: peak, culprits, what-ifs, largest batch",
+}
 
 # ----------------------------------------------------------------------------------------------------
 # train / eval dispatcher
@@ -119,14 +127,16 @@ def eval_main(argv: list[str] | None = None) -> None:
 def budget_rows(system: str | None = None, device: str = "cpu") -> list[dict]:
     """Estimate every registered (system, variant) paper-size step; one dict per row (`budget --json`).
     device="cuda": with a CUDA run's kernels and allocator rounding (memfit.estimate.rules)."""
+    from tqdm import tqdm
+
     from memfit.estimate.memory import estimate_training_step
 
     names = sorted(available_systems()) if system is None else [system]
+    entries: list[tuple[str, BudgetEntry]] = [(n, e) for n in names for e in load_system(n).budgets()]
     rows = []
-    for name in names:
-        sys_obj = load_system(name)
-        entries: list[BudgetEntry] = sys_obj.budgets()
-        for e in entries:
+    with tqdm(entries, desc="budget", unit="step", leave=False, disable=None) as bar:  # a terminal only
+        for name, e in bar:
+            bar.set_postfix_str(f"{name} {e.variant}")
             report = estimate_training_step(e.step, device=device)
             rows.append(
                 {
@@ -170,6 +180,9 @@ def format_budget_table(rows: list[dict]) -> str:
 
 
 def _budget(args: argparse.Namespace) -> int:
+    from memfit.estimate import cuda_kernels_assumed
+    from memfit.estimate.rules import assume_kernels, assumed_target
+
     if args.system is not None and args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
         raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
@@ -188,7 +201,9 @@ def _budget(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    from memfit.estimate import cuda_kernels_assumed
     from memfit.estimate.fit import fit_system, format_fit, nothing_fits
+    from memfit.estimate.rules import assume_kernels, assumed_target
 
     if args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
@@ -284,35 +299,26 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(run_command("memfit", _main, argv))
 
 
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    return f"memfit {__version__} (torch {torch_version})"
+
+
 def _main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = Parser(prog="memfit", description=__doc__.splitlines()[0])
-    versions = f"memfit {__version__} (torch {torch.__version__})"
-    parser.add_argument("--version", action="version", version=versions)
+    parser.add_argument("--version", action="version", version=_versions())
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("budget", help="estimated training-step peak of every system vs its budget")
-    p.add_argument("--system", help="only this system")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="whose kernels to estimate with (default cpu: what the calibration runs measure)",
-    )
-    p.add_argument("--no_cuda_kernels", action="store_true", help=NO_CUDA_KERNELS_HELP)
-    p.set_defaults(func=_budget)
-    p = sub.add_parser("fit", help="largest batch (and whether checkpointing is needed) that fits a GPU")
-    p.add_argument("--system", required=True)
-    p.add_argument("--gpu_gib", type=float, help="GPU memory to fit, GiB (required)")
-    p.add_argument("--variant", action="append", help="only these variants (repeatable)")
-    p.add_argument("--max_batch", type=int, default=4096)
-    p.add_argument(
-        "--no_cuda_kernels",
-        action="store_true",
-        help=NO_CUDA_KERNELS_HELP.removeprefix("with --device cuda: "),
-    )
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_fit)
-    estimate_parser(sub)
+    if argv and argv[0] in HEAVY:
+        _heavy_parsers(sub)
+    else:  # named in --help and the list of choices; parsed only by the real ones above
+        for name, text in HEAVY.items():
+            sub.add_parser(name, help=text)
     p = sub.add_parser(
         "run", help="a system's extra command, e.g. `memfit run mbsnet-speech enhance IN --out DIR`"
     )
@@ -352,6 +358,37 @@ def _main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_doctor)
     args = parser.parse_args(argv)
     return args.func(args)
+
+
+def _heavy_parsers(sub: argparse._SubParsersAction) -> None:
+    """`memfit budget / fit / estimate`: their flags' help comes from the estimator."""
+    from memfit.estimate import NO_CUDA_KERNELS_HELP
+    from memfit.estimate import add_parser as estimate_parser
+
+    p = sub.add_parser("budget", help=HEAVY["budget"])
+    p.add_argument("--system", help="only this system")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="whose kernels to estimate with (default cpu: what the calibration runs measure)",
+    )
+    p.add_argument("--no_cuda_kernels", action="store_true", help=NO_CUDA_KERNELS_HELP)
+    p.set_defaults(func=_budget)
+    p = sub.add_parser("fit", help=HEAVY["fit"])
+    p.add_argument("--system", required=True)
+    p.add_argument("--gpu_gib", type=float, help="GPU memory to fit, GiB (required)")
+    p.add_argument("--variant", action="append", help="only these variants (repeatable)")
+    p.add_argument("--max_batch", type=int, default=4096)
+    p.add_argument(
+        "--no_cuda_kernels",
+        action="store_true",
+        help=NO_CUDA_KERNELS_HELP.removeprefix("with --device cuda: "),
+    )
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_fit)
+    estimate_parser(sub)
 
 
 if __name__ == "__main__":

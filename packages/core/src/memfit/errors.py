@@ -91,6 +91,16 @@ def exit_at_once(prog: str) -> Iterator[None]:
             signal.signal(s, handler)
 
 
+class ModelFileError(UsageError, ValueError):
+    """A model file or folder that cannot be loaded (another system's, damaged, weights that do not fit
+    their config): a ValueError to Python code, one line and exit 2 to a command."""
+
+
+class ModelFileMissing(UsageError, FileNotFoundError):
+    """No model where one was named (no such run, folder or checkpoint): a FileNotFoundError to Python
+    code, one line and exit 2 to a command."""
+
+
 def first_line(e: BaseException, limit: int = 160) -> str:
     """The telling line of an exception's message, for a one-line report (load_state_dict's first line
     is only a heading ending in ':', so the line after it)."""

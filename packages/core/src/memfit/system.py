@@ -18,16 +18,15 @@ from dataclasses import dataclass, field
 from importlib import import_module
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memfit.errors import UsageError, console, first_line
-from memfit.estimate.memory import TrainStep
-from memfit.train.checkpoint import WeightsMismatch, checkpoint_candidates, load_intact, nonfinite_parameter
-from memfit.train.config import from_dict, with_overrides
-from memfit.train.export import CONFIG, WEIGHTS, is_export, load_export
-from memfit.train.run_dir import resolve_run
+from memfit.errors import ModelFileError, ModelFileMissing, UsageError, console, first_line
+
+if TYPE_CHECKING:  # torch and the estimator load on first use: `memfit systems` and `--help` stay fast
+    from memfit.estimate.memory import TrainStep
 
 ENTRY_POINT_GROUP = "memfit.systems"
+SHIPPED = "shipped"  # `--run shipped`: the weights a system ships in its package
 
 
 @dataclass
@@ -60,8 +59,9 @@ class BudgetEntry:
 Command = Callable[[list[str] | None], object]
 
 
-def _resolve(spec: Command | str) -> Command:
-    """A command, or "package.module:function" imported on first use (`train --help` stays fast)."""
+def _resolve(spec: Any) -> Any:
+    """A command (or class), or its "package.module:name" imported on first use (`train --help` stays
+    fast)."""
     if not isinstance(spec, str):
         return spec
     module, _, attr = spec.partition(":")
@@ -73,8 +73,10 @@ class System:
     """A model package as the core sees it. Commands (train, eval, extra ones) take argv (None =
     sys.argv[1:]); each is a function or its "package.module:function" path, imported when first run.
 
-    config_cls and build_model(config) -> nn.Module are what ``load_model`` needs to rebuild a trained
-    model from any checkpoint of the system (checkpoint["config"] holds the config as a dict).
+    config_cls and build_model(config) -> nn.Module (each may be its "package.module:name") are what
+    ``load_model`` needs to rebuild a trained model from any checkpoint of the system (checkpoint["config"]
+    holds the config as a dict). ``shipped``: the folder (`memfit export` format) of weights the package
+    ships; they are the model wherever no run is named, and `--run shipped` names them.
     """
 
     name: str
@@ -83,12 +85,32 @@ class System:
     eval: Command | str
     budgets: Callable[[], list[BudgetEntry]] = field(default=lambda: [])
     extra_commands: dict[str, Command | str] = field(default_factory=dict)
-    config_cls: type | None = None
-    build_model: Callable[[Any], Any] | None = None
+    config_cls: type | str | None = None
+    build_model: Callable[[Any], Any] | str | None = None
+    shipped: str | Path | None = None
+    tags: tuple[str, ...] = ()  # the model card's tags beside memfit's and the system's name (task, domain)
 
     def run_dir(self, run: str | Path | None = None, runs_dir: str | Path = "runs") -> Path:
-        """A run given by name or path: None -> runs_dir/<system>/run; a name -> runs_dir/<system>/<name>."""
+        """The model a `--run` names: None -> the shipped weights, else runs_dir/<system>/run; "shipped" ->
+        the shipped weights; an existing path as it is; a name -> runs_dir/<system>/<name>."""
+        from memfit.train.run_dir import resolve_run
+
+        if self.shipped is not None and (run is None or str(run) == SHIPPED):
+            return Path(self.shipped)
+        if str(run) == SHIPPED:
+            raise ModelFileMissing(
+                f"error: {self.name} ships no weights; pass --run RUN_NAME or a run folder"
+            )
         return resolve_run(run, self.name, runs_dir)
+
+    def is_shipped(self, path: str | Path) -> bool:
+        """Whether `path` is the folder of the weights this system ships."""
+        return self.shipped is not None and Path(path).resolve() == Path(self.shipped).resolve()
+
+    def _builders(self) -> tuple[type, Callable[[Any], Any]]:
+        if self.config_cls is None or self.build_model is None:
+            raise TypeError(f"system {self.name} registers no config_cls/build_model; it cannot load models")
+        return _resolve(self.config_cls), _resolve(self.build_model)
 
     def load_model(
         self,
@@ -100,29 +122,39 @@ class System:
     ) -> tuple[Any, dict[str, Any]]:
         """(model in eval mode on device, checkpoint with its "path") from a run (name or folder: best.pt,
         else the newest checkpoint), a checkpoint file or an exported folder (from_pretrained); overrides
-        replace config fields (e.g. pcs=True). Another system's checkpoint, an old-format one or weights
-        that do not fit: UsageError."""
-        if self.config_cls is None or self.build_model is None:
-            raise TypeError(f"system {self.name} registers no config_cls/build_model; it cannot load models")
+        replace config fields (e.g. pcs=True); run None: the shipped weights where the system has them.
+        Another system's checkpoint, an old-format one or weights that do not fit: ModelFileError (a
+        ValueError); no such run or checkpoint: ModelFileMissing (a FileNotFoundError); each one line.
+        The dict has "settings" (how the model was trained, None where unknown) for exports too."""
+        from memfit.train.checkpoint import (
+            WeightsMismatch,
+            checkpoint_candidates,
+            load_intact,
+            nonfinite_parameter,
+        )
+        from memfit.train.config import from_dict, with_overrides
+        from memfit.train.export import is_export, load_export
+
+        config_cls, build_model = self._builders()
         path = self.run_dir(run, runs_dir)
         if is_export(path):
-            return self.from_pretrained(path, device, **overrides)
+            return load_export(self, path, device, **overrides)
         if path.is_dir():  # best.pt (for which="best"), then the checkpoints newest first: as --resume does
             candidates = checkpoint_candidates(path, which)
             if not candidates:
-                raise UsageError(f"error: no checkpoint in {path}; train first (`{self.name} train`)")
+                raise ModelFileMissing(f"error: no checkpoint in {path}; train first (`{self.name} train`)")
         else:
             candidates = [path]
 
         def build(state: dict[str, Any], file: Path) -> Any:
-            if state.get("system") != self.name:
+            if state.get("system") != self.name:  # UsageError, not ValueError: load_intact lets it through
                 raise UsageError(
                     f"error: {file} is a {state.get('system')} checkpoint, not {self.name}; "
                     f"pass a {self.name} run (or use `{state.get('system')} eval`)"
                 )
             try:
-                cfg = from_dict(self.config_cls, state["config"])
-                model = self.build_model(with_overrides(cfg, overrides))
+                cfg = from_dict(config_cls, state["config"])
+                model = build_model(with_overrides(cfg, overrides))
             except (TypeError, ValueError) as e:
                 why = first_line(e)
                 raise UsageError(f"error: {file}: its config does not build a model ({why})") from None
@@ -137,26 +169,35 @@ class System:
 
         try:
             (model, state), found, skipped = load_intact(candidates, build)
+        except UsageError as e:  # build's refusals: another system's checkpoint, a config that builds nothing
+            raise ModelFileError(str(e)) from None
         except FileNotFoundError as e:
-            raise UsageError(f"error: {e}") from None
+            raise ModelFileMissing(f"error: {e}") from None
         except ValueError as e:
-            raise UsageError(f"error: {path}: {e}" if path.is_dir() else f"error: {e}") from None
+            raise ModelFileError(f"error: {path}: {e}" if path.is_dir() else f"error: {e}") from None
         for bad, why in skipped:
             why = why.split(": ", 1)[-1]
             print(f"[memfit] skipped {bad.name} ({why}); using {found.name}", file=sys.stderr)
         state["path"] = str(found)  # which file was loaded, for eval reports
         return model.to(device).eval(), state
 
-    def from_pretrained(self, path: str | Path, device: str | Any = "cpu", **overrides: Any):
-        """(model in eval mode, its config.json as a dict with "path") from a folder `memfit export` wrote:
-        safetensors and json alone, no pickle and no trainer."""
-        if self.config_cls is None or self.build_model is None:
-            raise TypeError(f"system {self.name} registers no config_cls/build_model; it cannot load models")
+    def from_pretrained(self, path: str | Path | None = None, device: str | Any = "cpu", **overrides: Any):
+        """The model, in eval mode on `device`, from a folder `memfit export` wrote (None or "shipped": the
+        weights the package ships): safetensors and json alone, no pickle and no trainer. Errors are one
+        line: FileNotFoundError for a missing folder, ValueError for one that is not this system's export
+        (both memfit.errors.UsageError too, so a command prints just the line)."""
+        from memfit.train.export import CONFIG, WEIGHTS, is_export, load_export
+
+        self._builders()
+        if path is None or str(path) == SHIPPED:
+            path = self.run_dir(path)
+        if not Path(path).exists():
+            raise ModelFileMissing(f"error: {path} does not exist; pass a folder that `memfit export` wrote")
         if not is_export(path):
-            raise UsageError(
+            raise ModelFileError(
                 f"error: {path} is not an exported model (no {WEIGHTS} and {CONFIG}); run memfit export"
             )
-        return load_export(self, path, device, **overrides)
+        return load_export(self, path, device, **overrides)[0]
 
     def entry(self, kind: str) -> Command:
         """The function of `train`, `eval` or an extra command (imported now if given as a path)."""
@@ -174,6 +215,21 @@ class System:
 
         run.__name__ = f"{self.name}_{kind}".replace("-", "_")
         return console(run)
+
+
+def lazy_exports(package: str, names: dict[str, str]) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` (PEP 562) that imports each public name from its module on first use:
+    ``names`` maps a name to the submodule defining it (a name that is the submodule itself, e.g. a
+    callable module, maps to itself). A system's package then imports no torch until a model is used, so
+    `memfit systems` and `--help`, which load the package, stay fast."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        module = import_module(f"{package}.{names[name]}")
+        return module if names[name] == name else getattr(module, name)
+
+    return __getattr__
 
 
 _REGISTERED: dict[str, System] = {}

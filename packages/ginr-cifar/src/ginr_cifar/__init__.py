@@ -1,8 +1,13 @@
-"""Mamba-GINR on CIFAR-10: images encoded to latent tokens, decoded at any pixel coordinates."""
+"""Mamba-GINR on CIFAR-10: images encoded to latent tokens, decoded at any pixel coordinates.
+
+Each name is imported on first use (memfit.system.lazy_exports), so `import ginr_cifar` loads no torch.
+"""
 
 from importlib.metadata import version
 
-from ginr_cifar.api import load, reconstruct
+from memfit.system import lazy_exports
 
 __version__ = version("ginr-cifar")
-__all__ = ["load", "reconstruct"]
+_EXPORTS = {"load": "api", "reconstruct": "api"}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

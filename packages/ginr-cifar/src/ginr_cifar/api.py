@@ -10,17 +10,18 @@ from memfit.train.distributed import resolve_device
 from ginr_cifar.model import GINR
 
 
-def load(run: str | Path | None, device: str = "cpu", runs_dir: str | Path = "runs") -> tuple[GINR, dict]:
-    """(model in eval mode, its checkpoint or config.json as a dict) from a run name or folder, a
-    checkpoint file, or a folder `memfit export` wrote."""
+def load(run: str | Path | None = None, device: str = "cpu", runs_dir: str | Path = "runs") -> GINR:
+    """The model, in eval mode on `device`, from a run name or folder (default: runs/ginr-cifar/run), a
+    checkpoint file, or a folder `memfit export` wrote. A missing run is a FileNotFoundError, a file that
+    is not a ginr-cifar model a ValueError, each with one line that says what to do."""
     from ginr_cifar.system import SYSTEM
 
-    return SYSTEM.load_model(run, resolve_device(device), runs_dir=runs_dir)
+    return SYSTEM.load_model(run, resolve_device(device), runs_dir=runs_dir)[0]
 
 
 def reconstruct(
     images: torch.Tensor,
-    run: str | Path | None,
+    run: str | Path | None = None,
     resolution: int | None = None,
     device: str = "cpu",
     runs_dir: str | Path = "runs",
@@ -30,7 +31,7 @@ def reconstruct(
     default 32; larger R samples the same continuous function more finely)."""
     from ginr_cifar.eval import reconstruct as decode
 
-    model, _ = load(run, device, runs_dir)
+    model = load(run, device, runs_dir)
     want = (model.cfg.channels, model.cfg.image_size, model.cfg.image_size)
     if images.ndim != 4 or tuple(images.shape[1:]) != want:
         raise ValueError(f"images must be (N, {', '.join(map(str, want))}), got {tuple(images.shape)}")

@@ -6,7 +6,9 @@ Presets ``fast`` / ``balanced`` / ``high`` are the seed's three ``MambaGINR_CIFA
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 from memfit.train import config
@@ -156,3 +158,9 @@ CPU_TRAIN = TrainConfig(
     batch_size=32, num_sample_coords=256, jitter=0.5, lr=3e-3, warmup=50, eval_every=100, eval_images=250
 )
 SETTINGS = {name: _settings(name, CPU_TRAIN if name == "cpu" else TrainConfig()) for name in PRESETS}
+
+
+def default_cache_dir() -> Path:
+    """Where decoded image folders are cached (`--cache_dir`): $XDG_CACHE_HOME/ginr_cifar, else
+    ~/.cache/ginr_cifar."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ginr_cifar"

@@ -17,10 +17,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from memfit.train.cpu import cpu_count
+
+from ginr_cifar.config import default_cache_dir  # noqa: F401 - data's name for it too
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".gif", ".tif", ".tiff", ".webp")
 SPLITS = ("train", "val", "holdout", "test", "all")
@@ -139,19 +143,28 @@ def _collate(items):
     return torch.stack([x for x, _ in items]), [e for _, e in items]
 
 
+LARGE = 4000  # image sets from this size decode in DataLoader workers, and say so
+
+
 def read_images(files: list[Path], size: int = 32, workers: int | None = None) -> torch.Tensor:
-    """Decode files -> uint8 (N, 3, size, size); DataLoader workers decode in parallel for large sets."""
+    """Decode files -> uint8 (N, 3, size, size); DataLoader workers decode in parallel for large sets, at
+    most one per CPU this process may use (its affinity, not the machine's count: torch warns beyond it),
+    with a progress bar on a terminal."""
+    from tqdm import tqdm
+
     if workers is None:
-        workers = min(4, os.cpu_count() or 1) if len(files) >= 4000 else 0
+        workers = min(4, cpu_count()) if len(files) >= LARGE else 0
     loader = torch.utils.data.DataLoader(
         _FileDataset(files, size), batch_size=500, num_workers=workers, collate_fn=_collate
     )
     out = []
-    for imgs, errs in loader:
-        bad = [e for e in errs if e]
-        if bad:
-            raise ValueError(bad[0])
-        out.append(imgs)
+    with tqdm(total=len(files), desc="[ginr] decoding images", unit="img", leave=False, disable=None) as bar:
+        for imgs, errs in loader:
+            bad = [e for e in errs if e]
+            if bad:
+                raise ValueError(bad[0])
+            out.append(imgs)
+            bar.update(len(imgs))
     return torch.cat(out)
 
 
@@ -163,14 +176,12 @@ def _cache_key(files: list[Path]) -> str:
     return h.hexdigest()[:20]
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "ginr_cifar"
-
-
 def load_image_files(files: list[Path], size: int = 32, cache_dir: str | Path | None = None) -> torch.Tensor:
-    """Decode (or load from cache_dir, keyed by paths, sizes and mtimes) -> uint8 (N, 3, size, size)."""
+    """Decode (or load from cache_dir, keyed by paths, sizes and mtimes) -> uint8 (N, 3, size, size). The
+    first use of a cache folder in a process names it (once), and a large set says it is being decoded."""
     if cache_dir is None:
         return read_images(files, size)
+    _name_cache(Path(cache_dir))
     path = Path(cache_dir) / f"images_{_cache_key(files)}.pt"
     if path.exists():
         try:
@@ -179,12 +190,27 @@ def load_image_files(files: list[Path], size: int = 32, cache_dir: str | Path | 
                 return images
         except Exception:
             pass  # a stale or broken cache is rebuilt
+    if len(files) >= LARGE:
+        print(
+            f"[ginr] decoding {len(files):,} images once; next time they load from the cache", file=sys.stderr
+        )
     images = read_images(files, size)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     torch.save(images, tmp)
     os.replace(tmp, path)
     return images
+
+
+_NAMED: set[Path] = set()
+
+
+def _name_cache(folder: Path) -> None:
+    """Say once per process where decoded images are kept (150 MB for CIFAR-10's 50,000)."""
+    if folder not in _NAMED:
+        _NAMED.add(folder)
+        print(f"[ginr] decoded images are cached in {folder} (--cache_dir elsewhere, --no_cache: never)",
+              file=sys.stderr)  # fmt: skip
 
 
 def _find_cifar_batches(root: Path) -> Path | None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
+from memfit.train.export import model_line
 from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.train.metrics import psnr_per_image
 from memfit.train.outputs import write_file, write_text
@@ -31,6 +32,7 @@ from memfit.train.run_dir import resolve_run
 
 from ginr_cifar.data import SPLITS, _find_cifar_batches, default_cache_dir, load_split
 from ginr_cifar.model import GINR
+from ginr_cifar.system import SYSTEM
 
 DECODE_TOKENS = 2**17  # coordinates decoded at once (images x pixels), bounds eval memory at any resolution
 
@@ -60,10 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 def load_model(run: str | Path | None, device: torch.device) -> tuple[GINR, dict]:
     """The model of a run (name or folder: its best checkpoint) or a checkpoint file; (model, meta with the
     checkpoint's "path" and "step")."""
-    from ginr_cifar.system import SYSTEM
-
     model, state = SYSTEM.load_model(run, device)
-    return model, {**state["meta"], "path": state.get("path"), "step": state.get("step")}
+    return model, {**state["meta"], "path": state.get("path"), "step": state.get("step"),
+                   "settings": state.get("settings")}  # fmt: skip
 
 
 @torch.no_grad()
@@ -183,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = eval_out_dir(args, run, (args.data,))
     try:
         model, meta = load_model(run, device)
+        print(model_line(SYSTEM, meta))
         data = args.data if args.data is not None else meta.get("data")
         split = pick_split(args.split, args.data, meta.get("data"))
         holdout = args.holdout if args.holdout is not None else int(meta.get("holdout", 500))
@@ -226,8 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
                json.dumps(result, indent=2), overwrite=True)  # fmt: skip
     how = "" if res == size else f" ({res}x{res} decode average-pooled to {size}x{size})"
     print(
-        f"ginr-eval: {result['num_images']} {split} images of {data or 'the embedded set'}; checkpoint "
-        f"{result['checkpoint']} (step {result['step']})\n"
+        f"ginr-eval: {result['num_images']} {split} images of {data or 'the embedded set'}\n"
         f"PSNR {result['psnr']:.2f} dB (std {result['psnr_std']:.2f}){how}, latent code "
         f"{result['latent_numbers']} numbers; baselines: mean colour {result['mean_colour_psnr']:.2f} dB, "
         f"{size // 2}x{size // 2} average-pool -> bicubic {result['bicubic16_psnr']:.2f} dB "

@@ -9,24 +9,30 @@ only with it: 65,536 decoded tokens x the FF's hidden width per block otherwise)
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
-from memfit.estimate.memory import TrainStep
 from memfit.system import BudgetEntry, Scaling, System
 
 from ginr_cifar.config import GINRConfig, get_config
-from ginr_cifar.model import GINR
+
+if TYPE_CHECKING:  # torch loads when a step is built: `memfit systems` and `--help` stay fast
+    from memfit.estimate.memory import TrainStep
 
 BATCH = 64
 NUM_COORDS = 1024
 BUDGETS_GIB = {"ff": 5.0, "xattn": 8.0}
 
 
-def ginr_step(
-    cfg: GINRConfig, batch: int, num_coords: int, amp: torch.dtype | None = torch.bfloat16
-) -> TrainStep:
-    """A training step of GINR(cfg) on random images and `num_coords` random coordinates per image."""
+def ginr_step(cfg: GINRConfig, batch: int, num_coords: int, amp: Any = "bf16") -> TrainStep:
+    """A training step of GINR(cfg) on random images and `num_coords` random coordinates per image; amp: a
+    torch dtype, None, or its name ("bf16", "fp16", "none")."""
+    import torch
+    import torch.nn.functional as F
+    from memfit.estimate.memory import AMP_DTYPES, TrainStep
+
+    from ginr_cifar.model import GINR
+
+    amp = AMP_DTYPES[amp] if isinstance(amp, str) else amp
 
     def make_batch(device):
         images = torch.rand(batch, cfg.channels, cfg.image_size, cfg.image_size, device=device)
@@ -87,7 +93,8 @@ SYSTEM = System(
     eval="ginr_cifar.eval:main",
     budgets=budget_entries,
     config_cls=GINRConfig,
-    build_model=GINR,
+    build_model="ginr_cifar.model:GINR",
+    tags=("implicit-neural-representation", "image", "mamba"),
 )
 
 # The package's console aliases (pyproject [project.scripts]): exit 0 on success, 2 on bad input.

@@ -12,20 +12,17 @@ import math
 import sys
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
 from memfit.errors import UsageError
-from memfit.estimate.memory import AMP_DTYPES
-from memfit.train.distributed import dist_info
-from memfit.train.loop import Trainer, WarmupCosine, autocast_context, set_seed, step_generator
 from memfit.train.settings import TrainParser
 
-from ginr_cifar.config import SETTINGS
-from ginr_cifar.data import default_cache_dir, load_split, sample_batch
-from ginr_cifar.eval import evaluate_psnr, mean_colour_psnr
-from ginr_cifar.model import GINR
-from ginr_cifar.system import ginr_step
+from ginr_cifar.config import SETTINGS, default_cache_dir
+
+if TYPE_CHECKING:  # torch and the model load when training starts: `--help` stays fast
+    import torch
+
+    from ginr_cifar.model import GINR
 
 SYSTEM_NAME = "ginr-cifar"
 
@@ -78,18 +75,25 @@ def build_parser() -> TrainParser:
 
 def mse_loss(model: torch.nn.Module, batch) -> torch.Tensor:
     """Batch (images, coords, rgb) -> mean squared error of the decoded pixels (fp32)."""
+    import torch.nn.functional as F
+
     images, coords, target = batch
     return F.mse_loss(model(images, coords).float(), target)
 
 
 def _sync(device: torch.device) -> None:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int = 10) -> dict[str, float]:
     """Time encode vs decode (forward, ms) and measure peak memory of each and of a training step (MiB)."""
+    import torch
+    import torch.nn.functional as F
     from memfit.estimate.memory import measure_peak
+    from memfit.train.loop import autocast_context
 
     images, coords, target = batch
     model.eval()
@@ -125,6 +129,16 @@ def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int
 
 def main(argv: list[str] | None = None) -> dict:
     run = build_parser().parse(argv)
+    import torch
+    from memfit.estimate.memory import AMP_DTYPES
+    from memfit.train.distributed import dist_info
+    from memfit.train.loop import Trainer, WarmupCosine, set_seed, step_generator
+
+    from ginr_cifar.data import load_split, sample_batch
+    from ginr_cifar.eval import evaluate_psnr, mean_colour_psnr
+    from ginr_cifar.model import GINR
+    from ginr_cifar.system import ginr_step
+
     args, device = run.args, run.device
     cfg, t, loop = run.settings.model, run.settings.train, run.settings.loop
     if args.profile_iters < 1:

@@ -1,8 +1,13 @@
-"""GPT-2 with sliding-window attention that costs no more memory than causal attention."""
+"""GPT-2 with sliding-window attention that costs no more memory than causal attention.
+
+Each name is imported on first use (memfit.system.lazy_exports), so `import gpt2_window` loads no torch.
+"""
 
 from importlib.metadata import version
 
-from gpt2_window.api import generate, load
+from memfit.system import lazy_exports
 
 __version__ = version("gpt2-window")
-__all__ = ["generate", "load"]
+_EXPORTS = {"generate": "api", "load": "api", "samples": "api"}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
+from memfit.train.export import model_line
 from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.train.loop import autocast_context, step_generator
 from memfit.train.outputs import write_text
@@ -52,7 +53,9 @@ def load_model(run: str | Path | None, device: torch.device, runs_dir: str = "ru
     from gpt2_window.system import SYSTEM
 
     model, state = SYSTEM.load_model(run, device, runs_dir=runs_dir)
-    return model, dict(state["meta"], step=int(state["step"]))
+    return model, dict(
+        state["meta"], step=int(state["step"]), path=state["path"], settings=state.get("settings")
+    )
 
 
 def run(argv: list[str] | None = None) -> dict | list[str]:
@@ -79,6 +82,10 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
     out = eval_out_dir(args, run, (args.data,))
     try:
         model, mc = load_model(run, device)
+        from gpt2_window.system import SYSTEM
+
+        if not args.json:
+            print(model_line(SYSTEM, mc))
         tok = Tokenizer.from_dict(mc["tokenizer"]) if mc.get("tokenizer") else "char"
         data = load_data(args.data if args.data is not None else mc.get("data"), tok)
         T = args.sequence_length or mc.get("sequence_length") or model.config.block_size

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+
 from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers
 
-from gpt2_window.api import generate
+from gpt2_window.api import samples
 from gpt2_window.model import MIN_TEMPERATURE
 
 
@@ -22,8 +24,15 @@ def run(argv: list[str] | None = None) -> list[str]:
     check_numbers(args, max_new_tokens=">=0", num_samples=">=1", temperature=f">={MIN_TEMPERATURE:g}",
                   top_k=">=1", seed="0..2**63-1")  # fmt: skip
     apply_threads(args)
-    texts = generate(args.prompt, args.run, args.max_new_tokens, args.num_samples, args.temperature,
-                     args.top_k, args.seed, args.device, args.runs_dir)  # fmt: skip
+    from memfit.train.export import model_line
+
+    from gpt2_window.system import SYSTEM
+
+    def say_model(state: dict) -> None:
+        print(model_line(SYSTEM, state), file=sys.stderr)
+
+    texts = samples(args.prompt, args.run, args.num_samples, args.max_new_tokens, args.temperature,
+                    args.top_k, args.seed, args.device, args.runs_dir, on_load=say_model)  # fmt: skip
     for i, t in enumerate(texts):
         if args.num_samples > 1:
             print(f"---------- sample {i} ----------")

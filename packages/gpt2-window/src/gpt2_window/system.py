@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-import torch
-from memfit.estimate.memory import TrainStep
 from memfit.system import BudgetEntry, Scaling, System
 
 from gpt2_window.config import GPTConfig, get_config
-from gpt2_window.model import GPT, make_optimizer
+
+if TYPE_CHECKING:  # torch loads when a step is built: `memfit systems` and `--help` stay fast
+    from memfit.estimate.memory import TrainStep
 
 PAPER_BATCH, PAPER_T = 4, 1024
 
 
-def gpt_step(cfg: GPTConfig, batch: int, T: int, amp_dtype: torch.dtype | None = torch.bfloat16) -> TrainStep:
-    """One training step of GPT(cfg) on random tokens (batch, T), with the AdamW the app trains with."""
+def gpt_step(cfg: GPTConfig, batch: int, T: int, amp_dtype: Any = "bf16") -> TrainStep:
+    """One training step of GPT(cfg) on random tokens (batch, T), with the AdamW the app trains with;
+    amp_dtype: a torch dtype, None, or its name ("bf16", "fp16", "none")."""
+    import torch
+    from memfit.estimate.memory import AMP_DTYPES, TrainStep
+
+    from gpt2_window.model import GPT, make_optimizer
+
+    amp_dtype = AMP_DTYPES[amp_dtype] if isinstance(amp_dtype, str) else amp_dtype
     vocab = cfg.vocab_size
 
     def make_batch(device):
@@ -31,7 +39,7 @@ def gpt_step(cfg: GPTConfig, batch: int, T: int, amp_dtype: torch.dtype | None =
     )
 
 
-def _calibration(cfg: GPTConfig, amp_dtype: torch.dtype | None) -> TrainStep:
+def _calibration(cfg: GPTConfig, amp_dtype: Any) -> TrainStep:
     """The same variant shrunk to run for real on CPU in well under a second (T > window: band path)."""
     small = replace(cfg, n_layer=2, n_head=2, n_embd=64, block_size=256, vocab_size=512)
     if cfg.window is not None:
@@ -42,13 +50,13 @@ def _calibration(cfg: GPTConfig, amp_dtype: torch.dtype | None) -> TrainStep:
 def budget_entries() -> list[BudgetEntry]:
     """d12 (124M) at batch 4 x 1024 tokens: causal, window 64 (bf16 and fp32), and the seed's baseline."""
     rows = [
-        ("causal", get_config("d12"), torch.bfloat16, "bf16", 6.0, False, "causal SDPA"),
-        ("window", get_config("d12_window"), torch.bfloat16, "bf16", 6.0, False, "window 64"),
+        ("causal", get_config("d12"), "bf16", "bf16", 6.0, False, "causal SDPA"),
+        ("window", get_config("d12_window"), "bf16", "bf16", 6.0, False, "window 64"),
         ("window-fp32", get_config("d12_window"), None, "fp32", 10.5, False, "window 64, no autocast"),
         (
             "window-seed",
             get_config("d12_window", attn_impl="seed"),
-            torch.bfloat16,
+            "bf16",
             "bf16",
             None,
             True,
@@ -80,13 +88,15 @@ def budget_entries() -> list[BudgetEntry]:
 
 SYSTEM = System(
     name="gpt2-window",
-    summary="GPT-2 124M with sliding-window attention that never costs more memory than causal",
+    summary="GPT-2 with sliding-window attention that never costs more memory than causal (124M parameters "
+    "at paper size)",
     train="gpt2_window.train:main",
     eval="gpt2_window.eval:main",
     budgets=budget_entries,
     extra_commands={"generate": "gpt2_window.sample:main"},
     config_cls=GPTConfig,
-    build_model=GPT,
+    build_model="gpt2_window.model:GPT",
+    tags=("text-generation", "gpt2", "sliding-window-attention"),
 )
 
 # The package's console aliases (pyproject [project.scripts]): exit 0 on success, 2 on bad input.

@@ -10,20 +10,15 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-import torch
 from memfit.errors import UsageError
-from memfit.estimate.memory import AMP_DTYPES
-from memfit.train.checkpoint import latest_checkpoint, load_checkpoint
-from memfit.train.distributed import dist_info
-from memfit.train.loop import Trainer, WarmupCosine, step_generator
 from memfit.train.settings import TrainParser
 
 from gpt2_window.config import ATTN_IMPLS, SETTINGS, GPTConfig, get_config
-from gpt2_window.data import TokenData, load_data
-from gpt2_window.eval import estimate_loss
-from gpt2_window.model import GPT, make_optimizer
-from gpt2_window.system import gpt_step
+
+if TYPE_CHECKING:  # torch, the data and the model load when training starts: `--help` stays fast
+    from gpt2_window.data import TokenData
 
 SYSTEM_NAME = "gpt2-window"
 
@@ -114,6 +109,17 @@ def build_config(cfg: GPTConfig, t, preset: str, data: TokenData) -> tuple[GPTCo
 def run(argv: list[str] | None = None) -> dict:
     """main() returning its results (for tests and scripts)."""
     r = build_parser().parse(argv)
+    import torch
+    from memfit.estimate.memory import AMP_DTYPES
+    from memfit.train.checkpoint import latest_checkpoint, load_checkpoint
+    from memfit.train.distributed import dist_info
+    from memfit.train.loop import Trainer, WarmupCosine, step_generator
+
+    from gpt2_window.data import load_data
+    from gpt2_window.eval import estimate_loss
+    from gpt2_window.model import GPT, make_optimizer
+    from gpt2_window.system import gpt_step
+
     model_cfg, t, loop, device = r.settings.model, r.settings.train, r.settings.loop, r.device
     try:
         tok_choice = t.tokenizer

@@ -9,31 +9,10 @@ the ones that were not below plain runs on held-out voices (docs/results.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-from memfit.train.config import check_fields
 from scipy.signal import fftconvolve
 
-SAMPLE_RATE = 16_000
-
-
-@dataclass(frozen=True)
-class Augment:
-    """Probability that each augmentation is applied to a training mix (0: never)."""
-
-    speed: float = 0.0  # speed perturbation x0.9..1.1 (tempo and pitch together, as Kaldi's)
-    eq: float = 0.0  # microphone colour: a random spectral tilt and two peaking bands
-    reverb: float = 0.0  # a synthetic room: exponentially decaying noise, RT60 0.15..0.7 s
-    gain: float = 0.0  # a quiet recording: mix peak 0.01..0.1 instead of 0.1..0.9
-    clip: float = 0.0  # a clipped recording: the noisy mix clipped at 30..80% of its peak (target not)
-    bandlimit: float = 0.0  # a narrow-band recording: speech and noise low-passed at 3.4..7 kHz
-
-    def __post_init__(self) -> None:
-        check_fields(self, **dict.fromkeys(self.__dataclass_fields__, ">=0"))
-        for name in self.__dataclass_fields__:
-            if getattr(self, name) > 1:
-                raise ValueError(f"augment {name}={getattr(self, name):g} is a probability; give 0..1")
+from mbsnet_speech.config import SAMPLE_RATE, Augment  # noqa: F401 - Augment: its probabilities, a setting
 
 
 def fit_length(x: np.ndarray, n: int) -> np.ndarray:
@@ -42,10 +21,16 @@ def fit_length(x: np.ndarray, n: int) -> np.ndarray:
 
 
 def speed(x: np.ndarray, rng: np.random.Generator, lo: float = 0.9, hi: float = 1.1) -> np.ndarray:
-    """Play x at a random speed (linear-interpolation resampling); same length (cut or zero-padded)."""
-    factor = rng.uniform(lo, hi)
-    t = np.arange(0, len(x) - 1, factor)
-    return fit_length(np.interp(t, np.arange(len(x)), x).astype(np.float32), len(x))
+    """Play x at a random speed (torchaudio.functional.speed: band-limited resampling); same length (cut or
+    zero-padded). The factor is drawn as uniform(lo, hi) and rounded to 0.01: torchaudio resamples by the
+    reduced ratio of the rates, and a factor like 0.9374 (14998:16000 -> 7499:8000) builds a kernel for
+    seconds where 0.94 (47:50) takes a millisecond."""
+    import torch
+    import torchaudio.functional as AF
+
+    factor = round(float(rng.uniform(lo, hi)), 2)
+    y, _ = AF.speed(torch.from_numpy(np.ascontiguousarray(x, np.float32)), SAMPLE_RATE, factor)
+    return fit_length(y.numpy(), len(x))
 
 
 def _zero_phase(x: np.ndarray, gain: np.ndarray) -> np.ndarray:

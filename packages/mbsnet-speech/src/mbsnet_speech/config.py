@@ -11,9 +11,31 @@ from memfit.train import config
 from memfit.train.config import check_config, check_fields
 from memfit.train.settings import LoopConfig, Settings
 
-from mbsnet_speech.augment import Augment
-
 SAMPLE_RATE = 16_000
+
+
+@dataclass(frozen=True)
+class Augment:
+    """Probability that each augmentation (augment.py) is applied to a training mix (0: never)."""
+
+    speed: float = 0.0  # speed perturbation x0.9..1.1 (tempo and pitch together, as Kaldi's)
+    eq: float = 0.0  # microphone colour: a random spectral tilt and two peaking bands
+    reverb: float = 0.0  # a synthetic room: exponentially decaying noise, RT60 0.15..0.7 s
+    gain: float = 0.0  # a quiet recording: mix peak 0.01..0.1 instead of 0.1..0.9
+    clip: float = 0.0  # a clipped recording: the noisy mix clipped at 30..80% of its peak (target not)
+    bandlimit: float = 0.0  # a narrow-band recording: speech and noise low-passed at 3.4..7 kHz
+
+    def __post_init__(self) -> None:
+        check_fields(self, **dict.fromkeys(self.__dataclass_fields__, ">=0"))
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) > 1:
+                raise ValueError(f"augment {name}={getattr(self, name):g} is a probability; give 0..1")
+
+
+def parse_names(spec: str) -> tuple[str, ...]:
+    """'ked,pc,nsh' -> ('ked', 'pc', 'nsh') (group names for data.split_groups); 'none' -> ()."""
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    return () if names == ("none",) else names
 
 
 @dataclass(frozen=True)
@@ -282,7 +304,9 @@ def _cpu(device) -> Settings:
     # weight average (--ema 0.995 beside the raw weights in the same runs: -0.006 to +0.043 PESQ-wb in four
     # 10-CPU-minute runs, -0.012 and -0.018 in two 18-CPU-minute ones: no reliable gain). The generalising
     # recipe (`general` below) averages at 0.999 (STOI +0.0035 on held-out voices over three seed pairs).
-    loop = LoopConfig(steps=300, amp="none", threads=1, log_every=10, save_every=200)
+    # its own run folder: the quick start (`memfit train mbsnet-speech` on a CPU) never sits where the
+    # shipped model's users look, and `eval` / `enhance` without --run use the shipped model anyway
+    loop = LoopConfig(steps=300, amp="none", threads=1, log_every=10, save_every=200, run_name="quickstart")
     return Settings(cpu_config(), train, loop)
 
 
@@ -296,7 +320,7 @@ def _general(device) -> Settings:
     cpu = _cpu(device)
     model = replace(cpu.model, hop=200, pcs=False, shifts=4)
     train = replace(cpu.train, loss=replace(cpu.train.loss, pesq=0.6, stoi=10.0, sisdr=0.01))
-    return Settings(model, train, replace(cpu.loop, ema=0.999))
+    return Settings(model, train, replace(cpu.loop, ema=0.999, run_name="general"))
 
 
 SETTINGS = {

@@ -29,9 +29,8 @@ import soundfile as sf
 import torch
 
 from mbsnet_speech import augment
-from mbsnet_speech.augment import Augment
+from mbsnet_speech.config import SAMPLE_RATE, Augment, parse_names  # noqa: F401 - parse_names: data's name too
 
-SAMPLE_RATE = 16_000
 MIN_SAMPLES = 400  # one STFT window at 16 kHz; shorter clips carry no frame
 TRAIN_STREAM, HELDOUT_STREAM = 0, 1
 
@@ -566,12 +565,6 @@ def split_groups(
     v = [f for f in files if group[f] in val_g]
     t = [f for f in files if group[f] in test_g]
     return train, v, t, val_g, test_g
-
-
-def parse_names(spec: str) -> tuple[str, ...]:
-    """'ked,pc,nsh' -> ('ked', 'pc', 'nsh') (group names for split_groups); 'none' -> ()."""
-    names = tuple(n.strip() for n in spec.split(",") if n.strip())
-    return () if names == ("none",) else names
 
 
 VAL_SEED = 4321  # the held-out validation files and mixes do not depend on --seed

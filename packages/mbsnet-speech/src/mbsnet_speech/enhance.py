@@ -1,8 +1,12 @@
 """Enhance wav files with a trained MBS-Net: `memfit run mbsnet-speech enhance IN --out DIR --run RUN`.
 
 IN is an audio file or a folder of them; files are read, enhanced and written in blocks (chunks that
-overlap and are cross-faded), so memory stays bounded whatever the file length. Without --run it uses
-the model shipped in the package (docs/results.md says what it was trained on and what it scores).
+overlap and are cross-faded), so memory stays bounded whatever the file length. Without --run (or with
+`--run shipped`) it uses the model shipped in the package (docs/results.md says what it was trained on
+and what it scores).
+
+From Python the module is callable: ``mbsnet_speech.enhance(audio, sample_rate)`` enhances an array or
+tensor already in memory, one signal (n,) or a batch (batch, n) (`enhance_audio`).
 """
 
 from __future__ import annotations
@@ -10,34 +14,39 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import types
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import soundfile as sf
 import torch
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
+from memfit.train.export import model_line
 from memfit.train.flags import Parser, add_threads_arg, apply_threads, check_numbers
 from memfit.train.outputs import check_outputs, output_files
-from memfit.train.run_dir import resolve_run
 
 from mbsnet_speech.data import AUDIO_EXTS, MIN_SAMPLES, SAMPLE_RATE, conversion_notes, read_blocks
 from mbsnet_speech.model import MBSNet
+from mbsnet_speech.system import SYSTEM
 
 
 def load_model(
-    run: str | Path | None,
+    run: str | Path | None = None,
     device: str | torch.device = "cpu",
     pcs: bool | None = None,
     keep_noisy: float | None = None,
     shifts: int | None = None,
+    runs_dir: str | Path = "runs",
 ) -> MBSNet:
     """The model of a run (name or folder: best.pt, else its newest checkpoint), a checkpoint file or an
-    exported folder; pcs / keep_noisy / shifts None keep what its config says."""
-    from mbsnet_speech.system import SYSTEM
-
-    return SYSTEM.load_model(run, device, **inference_overrides(pcs, keep_noisy, shifts))[0]
+    exported folder; None or "shipped": the model shipped in the package. pcs / keep_noisy / shifts None
+    keep what its config says."""
+    return SYSTEM.load_model(run, device, runs_dir=runs_dir, **inference_overrides(pcs, keep_noisy, shifts))[
+        0
+    ]
 
 
 def inference_overrides(pcs: bool | None, keep_noisy: float | None, shifts: int | None = None) -> dict:
@@ -134,13 +143,23 @@ def enhance_stream(
     """Enhance an audio file into a 16 kHz mono 16-bit wav, reading and writing in blocks (data.read_blocks),
     so memory does not grow with the file's length; the seconds written. The output goes through memfit's
     one output path (memfit.train.outputs): a temporary file renamed at the end, removed on an error, a
-    full disk, Ctrl-C or SIGTERM; the caller has decided whether dst may be replaced."""
+    full disk, Ctrl-C or SIGTERM; the caller has decided whether dst may be replaced. A progress bar counts
+    the seconds done, on a terminal only (a long recording takes minutes)."""
+    from tqdm import tqdm
+
     n = 0
-    with output_files([dst], overwrite=True) as (tmp,):
+    try:
+        info = sf.info(str(src))
+        total = round(info.frames / info.samplerate, 1)
+    except (RuntimeError, sf.LibsndfileError):  # unreadable: read_blocks says so below
+        total = None
+    bar = tqdm(total=total, desc=Path(src).name, unit="s", leave=False, disable=None)
+    with bar, output_files([dst], overwrite=True) as (tmp,):
         with sf.SoundFile(str(tmp), "w", SAMPLE_RATE, 1, subtype="PCM_16", format="WAV") as out:
             for y in enhance_blocks(fn, read_blocks(src), chunk, overlap):
                 out.write(np.clip(y, -1.0, 1.0))
                 n += len(y)
+                bar.update(round(len(y) / SAMPLE_RATE, 3))
         if n == 0:
             raise ValueError(f"{src} contains no samples")
     return n / SAMPLE_RATE
@@ -159,14 +178,55 @@ def enhance_file(
     exported one, or (run None) the model shipped in the package; returns dst. pcs / keep_noisy / shifts
     None keep the model's config (the shipped model: 4 shifted passes; shifts=1 is 3x faster)."""
     check_outputs([dst], [src], overwrite=True)  # before the model loads: a refusal costs nothing
-    model = load_model(shipped_model() if run is None else run, device, pcs, keep_noisy, shifts)
+    model = load_model(run, device, pcs, keep_noisy, shifts)
     enhance_stream(model_fn(model), src, dst)
     return Path(dst)
 
 
+def enhance_audio(
+    audio: Any,
+    sample_rate: int,
+    run: str | Path | None = None,
+    *,
+    model: MBSNet | None = None,
+    device: str = "cpu",
+    runs_dir: str | Path = "runs",
+    pcs: bool | None = None,
+    keep_noisy: float | None = None,
+    shifts: int | None = None,
+) -> Any:
+    """Enhance audio already in memory: a numpy array or torch tensor, one mono signal (n,) or a batch
+    (batch, n), at `sample_rate` -> the same type, shape and rate (the model runs at 16 kHz: other rates are
+    resampled there and back, so nothing above 8 kHz comes back). Long signals run in overlapping chunks, as
+    enhance_file. `model`: one loaded already (`mbsnet_speech.load()`), else `run`'s, else the model shipped
+    in the package. Also called as ``mbsnet_speech.enhance(audio, sample_rate)``."""
+    import torchaudio.functional as AF
+
+    tensor = isinstance(audio, torch.Tensor)
+    x = (audio.detach().cpu() if tensor else torch.from_numpy(np.asarray(audio))).float()
+    if x.ndim not in (1, 2) or x.shape[-1] == 0:
+        raise ValueError(f"audio must be (n,) or (batch, n) with n > 0 samples, got shape {tuple(x.shape)}")
+    if not torch.isfinite(x).all():
+        raise ValueError("audio contains NaN or Inf samples")
+    if int(sample_rate) != sample_rate or sample_rate <= 0:
+        raise ValueError(f"sample_rate must be a positive integer (Hz), got {sample_rate!r}")
+    rows = x.reshape(-1, x.shape[-1])
+    if sample_rate != SAMPLE_RATE:
+        rows = AF.resample(rows, int(sample_rate), SAMPLE_RATE)
+    if model is None:
+        model = load_model(run, resolve_device(device), pcs, keep_noisy, shifts, runs_dir)
+    fn = model_fn(model)
+    out = torch.stack([torch.from_numpy(enhance_array(fn, r.numpy())) for r in rows])
+    if sample_rate != SAMPLE_RATE:
+        out = AF.resample(out, SAMPLE_RATE, int(sample_rate))
+    out = torch.nn.functional.pad(out, (0, max(0, x.shape[-1] - out.shape[-1])))[..., : x.shape[-1]]
+    out = out.reshape(x.shape)
+    return out.to(audio.device) if tensor else out.numpy()
+
+
 def shipped_model() -> Path:
     """The folder of the model that comes with the package (memfit export format: weights and config)."""
-    return Path(__file__).parent / "pretrained"
+    return Path(SYSTEM.shipped)
 
 
 def model_fn(model: MBSNet) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -189,7 +249,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
         "--run",
         default=None,
         help="run name, run folder, .pt file or exported folder (default: the model shipped in the package, "
-        "or runs/mbsnet-speech/run when that exists)",
+        "also `--run shipped`)",
     )
     p.add_argument("--runs_dir", default="runs", help="where train wrote its runs (default %(default)s)")
     p.add_argument("--chunk_seconds", type=float, default=4.0)
@@ -228,17 +288,16 @@ def main(argv: list[str] | None = None) -> list[Path]:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"error: cannot create --out {out_dir}: {e.strerror}") from None
-    default_run = Path(args.runs_dir) / "mbsnet-speech" / "run"
+    overrides = inference_overrides(args.pcs, args.keep_noisy, args.shifts)
     try:
-        if args.run is None and not default_run.exists():
-            run, what = shipped_model(), "the model shipped with mbsnet-speech"
-        else:
-            run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
-            what = str(run)
-        model = load_model(run, resolve_device(args.device), args.pcs, args.keep_noisy, args.shifts)
+        model, state = SYSTEM.load_model(
+            args.run, resolve_device(args.device), runs_dir=args.runs_dir, **overrides
+        )
+    except UsageError:  # one line already
+        raise
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"error: {e}") from None
-    print(f"model: {what}", file=sys.stderr)
+    print(model_line(SYSTEM, state), file=sys.stderr)
     fn = model_fn(model)
     written, failed = [], []
     for f, dst in zip(files, targets):
@@ -256,6 +315,16 @@ def main(argv: list[str] | None = None) -> list[Path]:
             f"{len(written)} written to {out_dir}"
         )
     return written
+
+
+class _CallableModule(types.ModuleType):
+    """`mbsnet_speech.enhance` is this module and, called, `enhance_audio`."""
+
+    def __call__(self, audio: Any, sample_rate: int, run: str | Path | None = None, **kwargs: Any) -> Any:
+        return enhance_audio(audio, sample_rate, run, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 
 if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias

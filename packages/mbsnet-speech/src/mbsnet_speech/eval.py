@@ -5,6 +5,9 @@ beside the classical Wiener filter: pairs from a clean_*/noisy_* folder (the tes
 one); voices the run never trained on mixed with noise recordings it never trained on (by default the
 run's own test groups, data.split_groups); a recording (--speech) mixed with those noises. Without any,
 what the run trained on (when it is here), else generated held-out pairs no training batch contains.
+The split is the model's own, read from its settings: a run's checkpoint or an export's config.json
+(`meta.settings`); a model that records none gets its sets named as such, never "held-out". Without
+--run: the model shipped in the package.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from pathlib import Path
 import numpy as np
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
+from memfit.train.export import model_line
 from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.train.outputs import output_files, write_file, write_text
-from memfit.train.run_dir import resolve_run
 
 from mbsnet_speech.classical import wiener_enhance
 from mbsnet_speech.data import (
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--seconds", type=float, default=3.0, help="length of generated pairs")
     p.add_argument("--limit", type=int, default=None, help="evaluate at most this many files from --data")
     add_pcs_arg(p)
-    add_eval_args(p, "mbsnet-speech")
+    add_eval_args(p, "mbsnet-speech", shipped=True)
     args = p.parse_args(argv)
     apply_threads(args)
     check_numbers(args, pairs=">=1", seconds=">0", limit=">=1", mixes=">=1", keep_noisy=">=0")
@@ -221,33 +224,39 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise UsageError(f"error: --seconds {args.seconds:g} is shorter than one STFT frame; give >= 0.025")
     if args.snr[0] > args.snr[1]:
         raise UsageError(f"error: --snr needs MIN <= MAX, got {args.snr[0]:g} {args.snr[1]:g}; swap them")
-    run = resolve_run(args.run, "mbsnet-speech", args.runs_dir)
-    out_dir = eval_out_dir(args, run, (args.data, args.clean, args.noise, args.speech))
-    try:
-        from mbsnet_speech.system import SYSTEM
+    from mbsnet_speech.system import SYSTEM
 
+    run = SYSTEM.run_dir(args.run, args.runs_dir)
+    name = "shipped" if SYSTEM.is_shipped(run) else None
+    out_dir = eval_out_dir(args, run, (args.data, args.clean, args.noise, args.speech), name)
+    try:
         overrides = inference_overrides(args.pcs, args.keep_noisy, args.shifts)
         model, state = SYSTEM.load_model(run, resolve_device(args.device), **overrides)
-        sets = eval_sets(args, (state.get("settings") or {}).get("train") or {})
+        settings = state.get("settings")
+        sets = eval_sets(args, (settings or {}).get("train") or {}, known=settings is not None)
+    except UsageError:
+        raise
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"error: {e}") from None
-    print(f"checkpoint: {state['path']} (step {state.get('step', '?')})")
+    print(model_line(SYSTEM, state))
     fn = model_fn(model)
     reports = []
     for label, items in sets:
         print(f"\ndata: {label}")
         reports.append(score_set(fn, label, items, out_dir, first=not reports))
     write_csv(out_dir / "metrics.csv", [(r["data"], res) for r in reports for res in r.pop("_results")])
-    report = {"checkpoint": state["path"], "step": state.get("step"), **reports[0], "sets": reports}
+    report = {"checkpoint": state["path"], "step": state.get("step"), "model": model_line(SYSTEM, state)}
+    report |= {**reports[0], "sets": reports}
     write_text(out_dir / "metrics.json", json.dumps(report, indent=1), overwrite=True)
     print(f"\nwrote {out_dir / 'metrics.csv'}, {out_dir / 'metrics.json'} and {out_dir / 'spectrogram.png'}")
     return reports[0]["summary"]
 
 
-def eval_sets(args, trained: dict) -> list[tuple[str, list]]:
+def eval_sets(args, trained: dict, known: bool = True) -> list[tuple[str, list]]:
     """[(label, [(name, noisy, clean)])]: the --data test split, held-out voices of --clean mixed with
-    held-out noises, --speech mixed with them; each defaults to what the run trained on (its config) when
-    that still exists here; generated held-out pairs when there is none of these."""
+    held-out noises, --speech mixed with them; each defaults to what the run trained on (its settings
+    `trained`) when that still exists here; generated held-out pairs when there is none of these. known
+    False: the model records no settings, so no voice or noise can be called held out: the labels say so."""
     sets = []
     explicit = args.data or args.clean or args.speech
     data = args.data if explicit else _existing(trained.get("data"))
@@ -256,7 +265,7 @@ def eval_sets(args, trained: dict) -> list[tuple[str, list]]:
         sets.append((f"{len(items)} pairs from {data} ({'test split' if _has_test(data) else 'all'})", items))
     clean = args.clean if explicit else _existing(trained.get("clean"))
     if clean or args.speech:
-        noise, noise_label = _heldout_noise(args, trained)
+        noise, noise_label = _heldout_noise(args, trained, known)
     if clean:
         voices = args.voices if args.voices is not None else tuple(trained.get("test_voices") or ())
         files = audio_files(clean, "--clean")
@@ -266,7 +275,8 @@ def eval_sets(args, trained: dict) -> list[tuple[str, list]]:
                 f"no held-out voice in {clean}; name voices with --voices (e.g. --voices krb,lj)"
             )
         items = heldout_mixes(chosen, noise, args.mixes, VAL_SEED + 1, tuple(args.snr))
-        sets.append((f"{len(items)} mixes of held-out voices {', '.join(groups)} x {noise_label}", items))
+        voices = f"held-out voices {', '.join(groups)}" if known else f"voices {', '.join(groups)}{UNKNOWN}"
+        sets.append((f"{len(items)} mixes of {voices} x {noise_label}", items))
     if args.speech:
         path = Path(args.speech)
         files = audio_files(path, "--speech") if path.is_dir() else [path]
@@ -282,7 +292,11 @@ def _existing(path: str | None) -> str | None:
     return path if path and Path(path).exists() else None
 
 
-def _heldout_noise(args, trained: dict) -> tuple[list[Path] | None, str]:
+# how a set is named when the model records no training settings (an export written without them)
+UNKNOWN = " (the model records no training split: it may have trained on them)"
+
+
+def _heldout_noise(args, trained: dict, known: bool = True) -> tuple[list[Path] | None, str]:
     """The noise files for held-out mixes: --noise's (or the run's) test recordings, else its validation
     ones, else all of them; None (built-in kinds) without a noise folder."""
     folder = args.noise or _existing(trained.get("noise"))
@@ -292,7 +306,10 @@ def _heldout_noise(args, trained: dict) -> tuple[list[Path] | None, str]:
     files = audio_files(folder, "--noise")
     chosen, groups = _held_out(files, folder, trained.get("val_noises"), names, auto=0)
     if chosen:
-        return chosen, f"held-out noises {', '.join(groups)}"
+        return (
+            chosen,
+            f"held-out noises {', '.join(groups)}" if known else f"noises {', '.join(groups)}{UNKNOWN}",
+        )
     return files, f"noises of {folder}"
 
 

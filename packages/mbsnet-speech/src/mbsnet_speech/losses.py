@@ -78,9 +78,9 @@ def stft_loss(wav_hat: torch.Tensor, wav: torch.Tensor, resolutions=STFT_RESOLUT
     return total / len(resolutions)
 
 
-def neg_si_sdr(wav_hat: torch.Tensor, wav: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def neg_si_sdr(wav_hat: torch.Tensor, wav: torch.Tensor) -> torch.Tensor:
     """-SI-SDR in dB (metrics.si_sdr_db), mean over the batch; (B, T) each."""
-    return -si_sdr_db(wav_hat.float(), wav.float(), eps).mean()
+    return -si_sdr_db(wav_hat.float(), wav.float()).mean()
 
 
 class _FirPesq(PesqLoss):

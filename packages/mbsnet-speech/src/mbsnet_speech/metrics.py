@@ -1,4 +1,4 @@
-"""Speech quality metrics: PESQ (ITU-T P.862 via the `pesq` package), STOI (`pystoi`), SI-SDR.
+"""Speech quality metrics: PESQ (ITU-T P.862 via the `pesq` package), STOI (`pystoi`), SI-SDR (torchmetrics).
 
 Every function checks its inputs first and raises ValueError naming the problem (silent or too-short
 reference, wrong sample rate, NaN audio); ``evaluate_pairs`` records such failures per file instead of
@@ -75,15 +75,14 @@ def stoi_score(ref: Any, deg: Any, fs: int = 16000, extended: bool = False) -> f
     return float(stoi(r, d, fs, extended=extended))
 
 
-def si_sdr_db(est: torch.Tensor, ref: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def si_sdr_db(est: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Scale-invariant SDR in dB of each row (..., T) of est against ref (Le Roux et al. 2019): the
-    estimate projected on the zero-mean reference, over the residual. The one definition: the score
-    (si_sdr) and the training loss (losses.neg_si_sdr) both use it."""
-    est = est - est.mean(-1, keepdim=True)
-    ref = ref - ref.mean(-1, keepdim=True)
-    scale = (est * ref).sum(-1, keepdim=True) / (ref.pow(2).sum(-1, keepdim=True) + eps)
-    target = scale * ref
-    return 10 * torch.log10(target.pow(2).sum(-1) / ((est - target).pow(2).sum(-1) + eps) + eps)
+    estimate projected on the zero-mean reference, over the residual; torchmetrics' definition with
+    zero_mean=True (its eps is the dtype's). The one definition: the score (si_sdr) and the training loss
+    (losses.neg_si_sdr) both use it."""
+    from torchmetrics.functional.audio import scale_invariant_signal_distortion_ratio
+
+    return scale_invariant_signal_distortion_ratio(est, ref, zero_mean=True)
 
 
 def si_sdr(ref: Any, est: Any) -> float:
@@ -94,7 +93,7 @@ def si_sdr(ref: Any, est: Any) -> float:
     if float(np.dot(r - r.mean(), r - r.mean())) < 1e-12:
         raise ValueError("reference is silent; SI-SDR is undefined")
     e64, r64 = (torch.from_numpy(np.asarray(x, np.float64)) for x in (e, r))
-    return float(si_sdr_db(e64, r64, eps=1e-12))
+    return float(si_sdr_db(e64, r64))
 
 
 def all_metrics(ref: Any, deg: Any, fs: int = 16000) -> dict[str, float]:

@@ -1,15 +1,18 @@
-"""mbsnet-speech as memfit sees it: train/eval/enhance commands and the memory budget entries."""
+"""mbsnet-speech as memfit sees it: train/eval/enhance commands, the shipped model and the memory budget
+entries. Importing it loads no torch (`memfit systems`, `--help`): the steps import it when built."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-from memfit.estimate.memory import TrainStep
 from memfit.system import BudgetEntry, Scaling, System
 
 from mbsnet_speech.config import LossWeights, MBSNetConfig, default_config, seed_config, tiny_config
-from mbsnet_speech.model import MBSNet
+
+if TYPE_CHECKING:
+    from memfit.estimate.memory import TrainStep
 
 HOP = 100
 BUDGET_GIB = 4.0
@@ -24,12 +27,18 @@ def train_step(
     cfg: MBSNetConfig,
     batch: int,
     samples: int,
-    amp: torch.dtype | None = torch.bfloat16,
+    amp: Any = "bf16",
     weights: LossWeights | None = None,
 ) -> TrainStep:
     """A full training step (forward, MP-SENet losses or `weights`', backward, AdamW) on random (noisy,
-    clean) audio."""
+    clean) audio; amp: a torch dtype, None, or its name ("bf16", "fp16", "none")."""
+    import torch
+    from memfit.estimate.memory import AMP_DTYPES, TrainStep
+
     from mbsnet_speech.losses import enhancement_loss
+    from mbsnet_speech.model import MBSNet
+
+    amp = AMP_DTYPES[amp] if isinstance(amp, str) else amp
 
     def loss(model, b):
         return enhancement_loss(model, b, weights)[0]
@@ -116,7 +125,9 @@ SYSTEM = System(
     budgets=budget_entries,
     extra_commands={"enhance": "mbsnet_speech.enhance:main"},
     config_cls=MBSNetConfig,
-    build_model=MBSNet,
+    build_model="mbsnet_speech.model:MBSNet",
+    shipped=Path(__file__).parent / "pretrained",
+    tags=("speech-enhancement", "audio-to-audio", "mamba"),
 )
 
 # The package's console aliases (pyproject [project.scripts]): exit 0 on success, 2 on bad input.

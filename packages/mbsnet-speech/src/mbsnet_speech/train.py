@@ -14,39 +14,16 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
 from memfit.errors import UsageError
-from memfit.estimate.memory import AMP_DTYPES, TrainStep
-from memfit.train.distributed import dist_info
-from memfit.train.loop import Trainer, WarmupCosine
 from memfit.train.settings import TrainParser, TrainRun
 
-from mbsnet_speech.augment import Augment
-from mbsnet_speech.config import SETTINGS, LossWeights, TrainConfig
-from mbsnet_speech.data import (
-    MIX_SNR,
-    SAMPLE_RATE,
-    VAL_SEED,
-    MixSource,
-    PairFolder,
-    PairRemix,
-    Sources,
-    audio_files,
-    find_pairs,
-    folder_batch,
-    heldout_mixes,
-    heldout_pairs,
-    load_all,
-    mix_batch,
-    pair_rng,
-    parse_names,
-    split_groups,
-    synth_batch,
-)
-from mbsnet_speech.losses import enhancement_loss
-from mbsnet_speech.model import MBSNet, count_params
+from mbsnet_speech.config import SAMPLE_RATE, SETTINGS, Augment, LossWeights, TrainConfig, parse_names
+
+if TYPE_CHECKING:  # torch, the data and the model load when training starts: `--help` stays fast
+    from mbsnet_speech.data import PairFolder
+    from mbsnet_speech.model import MBSNet
 
 SYSTEM_NAME = "mbsnet-speech"
 
@@ -188,6 +165,10 @@ def build_parser() -> TrainParser:
 def _split_heldout(n: int, count: int) -> tuple[list[int], list[int]]:
     """A fixed (seed-independent) choice of `count` of n files (at most a quarter) held out for
     validation; (train, val)."""
+    import numpy as np
+
+    from mbsnet_speech.data import VAL_SEED
+
     count = min(count, n // 4)
     perm = np.random.default_rng(VAL_SEED).permutation(n)
     return sorted(int(i) for i in perm[count:]), sorted(int(i) for i in perm[:count])
@@ -195,6 +176,16 @@ def _split_heldout(n: int, count: int) -> tuple[list[int], list[int]]:
 
 def build_data(t: TrainConfig, crop: int):
     """(get_arrays(rng) -> (noisy, clean), validation items [(name, noisy, clean)], description)."""
+    from mbsnet_speech.data import (
+        MIX_SNR,
+        VAL_SEED,
+        PairRemix,
+        folder_batch,
+        heldout_pairs,
+        mix_batch,
+        synth_batch,
+    )
+
     n_val = max(0, t.val_files)
     if t.clean:
         return _mix_data(t, crop)
@@ -214,6 +205,8 @@ def build_data(t: TrainConfig, crop: int):
 def _pairs_and_val(root: str, n_val: int) -> tuple[PairFolder, list]:
     """The training pairs of a clean_*/noisy_* root (its train split when it has one) less `n_val` files
     held out for validation, and those [(name, noisy, clean)]."""
+    from mbsnet_speech.data import PairFolder, find_pairs
+
     try:
         pairs = find_pairs(root, split="train")
     except FileNotFoundError:
@@ -226,6 +219,19 @@ def _pairs_and_val(root: str, n_val: int) -> tuple[PairFolder, list]:
 
 def _mix_data(t: TrainConfig, crop: int):
     """--clean (and --noise, and --data): whole voices and noise recordings held out for validation."""
+    from mbsnet_speech.data import (
+        MIX_SNR,
+        VAL_SEED,
+        MixSource,
+        PairRemix,
+        Sources,
+        audio_files,
+        heldout_mixes,
+        load_all,
+        mix_batch,
+        split_groups,
+    )
+
     snr = tuple(t.snr) if t.snr else MIX_SNR
     files = audio_files(t.clean, "--clean")
     train_c, val_c, _, val_g, test_g = split_groups(files, t.clean, t.val_voices, t.test_voices)
@@ -263,6 +269,16 @@ def _mix_data(t: TrainConfig, crop: int):
 def main(argv: list[str] | None = None) -> dict:
     """Train from the command line (argv None -> sys.argv[1:]); returns the last metrics."""
     run: TrainRun = build_parser().parse(argv)
+    import numpy as np
+    import torch
+    from memfit.estimate.memory import AMP_DTYPES, TrainStep
+    from memfit.train.distributed import dist_info
+    from memfit.train.loop import Trainer, WarmupCosine
+
+    from mbsnet_speech.data import pair_rng
+    from mbsnet_speech.losses import enhancement_loss
+    from mbsnet_speech.model import MBSNet, count_params
+
     cfg, t, loop = run.settings.model, run.settings.train, run.settings.loop
     crop = int(t.seconds * SAMPLE_RATE)
     try:
@@ -330,6 +346,8 @@ def main(argv: list[str] | None = None) -> dict:
 def freeze_phase_head(model: MBSNet) -> None:
     """Phase head outputs (a, b) = (1, 0) whatever the input, and stays so: the phase offset atan2(b, a)
     is exactly 0 and the model keeps the noisy phase (a magnitude mask, as RNNoise or Wiener filters)."""
+    import torch
+
     for head in model.phase_head.heads:
         last = head[-1] if isinstance(head, torch.nn.Sequential) else head
         with torch.no_grad():
@@ -380,6 +398,8 @@ def validation_hooks(items, every: int, noisy: Callable[[], dict]) -> dict:
 
 def say_noisy_scores(items, noisy: Callable[[], dict]) -> None:
     """What the validation files score unprocessed: the line the run's validation is read against."""
+    from memfit.train.distributed import dist_info
+
     if items and dist_info().rank == 0:
         ref = noisy()
         print(

@@ -1,8 +1,13 @@
-"""A triplane generator (image -> 3D) with NeRF rendering, rebuilt to fit in memory."""
+"""A triplane generator (image -> 3D) with NeRF rendering, rebuilt to fit in memory.
+
+Each name is imported on first use (memfit.system.lazy_exports): `import moremouse_triplane` loads no torch.
+"""
 
 from importlib.metadata import version
 
-from moremouse_triplane.api import load, render_views
+from memfit.system import lazy_exports
 
 __version__ = version("moremouse-triplane")
-__all__ = ["load", "render_views"]
+_EXPORTS = {"load": "api", "render_views": "api"}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

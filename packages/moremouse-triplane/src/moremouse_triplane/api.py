@@ -11,18 +11,20 @@ from moremouse_triplane.model import TriplaneGenerator
 
 
 def load(
-    run: str | Path | None, device: str = "cpu", runs_dir: str | Path = "runs"
-) -> tuple[TriplaneGenerator, dict]:
-    """(model in eval mode, its checkpoint or config.json as a dict) from a run name or folder, a
-    checkpoint file, or a folder `memfit export` wrote."""
+    run: str | Path | None = None, device: str = "cpu", runs_dir: str | Path = "runs"
+) -> TriplaneGenerator:
+    """The model, in eval mode on `device`, from a run name or folder (default:
+    runs/moremouse-triplane/run), a checkpoint file, or a folder `memfit export` wrote. A missing run is a
+    FileNotFoundError, a file that is not a moremouse-triplane model a ValueError, each with one line that
+    says what to do."""
     from moremouse_triplane.system import SYSTEM
 
-    return SYSTEM.load_model(run, resolve_device(device), runs_dir=runs_dir)
+    return SYSTEM.load_model(run, resolve_device(device), runs_dir=runs_dir)[0]
 
 
 def render_views(
     image: torch.Tensor,
-    run: str | Path | None,
+    run: str | Path | None = None,
     views: int = 8,
     elevation: float = 25.0,
     device: str = "cpu",
@@ -35,7 +37,7 @@ def render_views(
     from moremouse_triplane.eval import render_views as render
     from moremouse_triplane.render import intrinsics, look_at, orbit_eye
 
-    model, _ = load(run, device, runs_dir)
+    model = load(run, device, runs_dir)
     size = model.cfg.image_size
     if image.ndim != 3 or tuple(image.shape) != (3, size, size):
         raise ValueError(f"image must be (3, {size}, {size}) in [0, 1], got {tuple(image.shape)}")

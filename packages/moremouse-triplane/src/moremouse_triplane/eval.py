@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
+from memfit.train.export import model_line
 from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
 from memfit.train.metrics import psnr_per_image
 from memfit.train.outputs import write_file, write_text
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     try:
         model, state = SYSTEM.load_model(run, device, which=args.checkpoint)
+        print(model_line(SYSTEM, state))
         source = make_source(args.data, model.cfg.image_size, seed=args.seed, split=args.split)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"error: {e}") from None
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> dict:
     where = args.data or f"generated {args.split} scenes"
     res.update(checkpoint=str(state["path"]), step=state.get("step"), data=where)
     print(
-        f"checkpoint {state['path']} (step {state.get('step')}); {where}: {res['scenes']} scenes, "
+        f"{where}: {res['scenes']} scenes, "
         f"{res['views']} held-out views\n"
         f"  model:           PSNR {res['psnr']:6.2f} dB  SSIM {res['ssim']:.3f}\n"
         f"  constant colour: PSNR {res['psnr_constant']:6.2f} dB  SSIM {res['ssim_constant']:.3f}\n"

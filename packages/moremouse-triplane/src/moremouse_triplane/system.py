@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from memfit.estimate.memory import TrainStep
+from typing import TYPE_CHECKING, Any
+
 from memfit.system import BudgetEntry, Scaling, System
 
 from moremouse_triplane.config import TriplaneConfig, get_config
+
+if TYPE_CHECKING:  # torch loads when a step is built: `memfit systems` and `--help` stay fast
+    import torch
+    from memfit.estimate.memory import TrainStep
 
 PAPER_BATCH = 4
 
 
 def random_batch(cfg: TriplaneConfig, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
     """A batch shaped like training's: input images and cfg.rays_per_scene rays per scene, with jitter."""
+    import torch
+    import torch.nn.functional as F
+
     R, S = cfg.rays_per_scene, cfg.samples_per_ray
     eye = F.normalize(torch.randn(batch, R, 3, device=device), dim=-1) * 2.3
     d = F.normalize(-eye + 0.3 * torch.randn(batch, R, 3, device=device), dim=-1)  # towards the box
@@ -34,9 +40,14 @@ def random_batch(cfg: TriplaneConfig, batch: int, device: torch.device) -> dict[
     return out
 
 
-def train_step(cfg: TriplaneConfig, batch: int, amp_dtype: torch.dtype | None = torch.bfloat16) -> TrainStep:
-    """One training step of the whole system: encoder, transformer, upsampler and rendering the rays."""
+def train_step(cfg: TriplaneConfig, batch: int, amp_dtype: Any = "bf16") -> TrainStep:
+    """One training step of the whole system: encoder, transformer, upsampler and rendering the rays;
+    amp_dtype: a torch dtype, None, or its name ("bf16", "fp16", "none")."""
+    from memfit.estimate.memory import AMP_DTYPES, TrainStep
+
     from moremouse_triplane.model import build_model
+
+    amp_dtype = AMP_DTYPES[amp_dtype] if isinstance(amp_dtype, str) else amp_dtype
 
     return TrainStep(
         build_model=lambda: build_model(cfg),
@@ -113,12 +124,6 @@ def budget_entries() -> list[BudgetEntry]:
     ]
 
 
-def _build_model(cfg: TriplaneConfig) -> torch.nn.Module:
-    from moremouse_triplane.model import build_model
-
-    return build_model(cfg)
-
-
 SYSTEM = System(
     name="moremouse-triplane",
     summary="MoReMouse triplane generator: 12,288-token transformer + NeRF rendering, image -> novel views",
@@ -127,7 +132,8 @@ SYSTEM = System(
     budgets=budget_entries,
     extra_commands={"make-data": "moremouse_triplane.data:export_main"},
     config_cls=TriplaneConfig,
-    build_model=_build_model,
+    build_model="moremouse_triplane.model:build_model",
+    tags=("image-to-3d", "nerf", "triplane"),
 )
 
 # The package's console aliases (pyproject [project.scripts]): exit 0 on success, 2 on bad input.

@@ -15,18 +15,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from memfit.errors import UsageError
-from memfit.estimate.memory import AMP_DTYPES
-from memfit.train.distributed import dist_info
-from memfit.train.loop import Trainer, WarmupCosine, set_seed, step_generator
 from memfit.train.settings import TrainParser
 
 from moremouse_triplane.config import SETTINGS
-from moremouse_triplane.data import FolderScenes, SyntheticScenes, make_source
-from moremouse_triplane.eval import score_scenes
-from moremouse_triplane.model import build_model, ray_loss
-from moremouse_triplane.system import train_step
 
 SYSTEM_NAME = "moremouse-triplane"
 
@@ -104,6 +96,9 @@ def validation(source, t, seed: int):
     Generated scenes: the first --val_scenes scenes of the `val` split (`eval` scores `test`). A folder:
     --val_scenes of its scenes, chosen by a fixed seed, are held out of training.
     """
+    from moremouse_triplane.data import FolderScenes, SyntheticScenes
+    from moremouse_triplane.eval import score_scenes
+
     if not t.val_scenes:
         return source, {}
     if isinstance(source, FolderScenes):
@@ -124,6 +119,15 @@ def validation(source, t, seed: int):
 def main(argv: list[str] | None = None) -> dict:
     """Parse flags, train, return the last metrics (see --help)."""
     run = build_parser().parse(argv)
+    import torch
+    from memfit.estimate.memory import AMP_DTYPES
+    from memfit.train.distributed import dist_info
+    from memfit.train.loop import Trainer, WarmupCosine, set_seed, step_generator
+
+    from moremouse_triplane.data import make_source
+    from moremouse_triplane.model import build_model, ray_loss
+    from moremouse_triplane.system import train_step
+
     cfg, t, loop, device = run.settings.model, run.settings.train, run.settings.loop, run.device
     try:
         source, eval_kw = validation(make_source(t.data, cfg.image_size, seed=loop.seed, split="train"), t,

@@ -20,6 +20,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import warnings
 from functools import cache
@@ -143,7 +144,9 @@ def library() -> ctypes.CDLL | None:
     cache_dir = Path(os.environ.get("MEMFIT_CACHE", Path.home() / ".cache" / "memfit"))
     path = cache_dir / f"scan_kernel-{key}.so"
     try:
-        if not path.exists():
+        if not path.exists():  # a cache outside the run: say where, once (the build is once per machine)
+            print(f"[memfit] building the fused CPU kernel once into {path} (MEMFIT_CACHE elsewhere)",
+                  file=sys.stderr)  # fmt: skip
             _build(cc, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as e:

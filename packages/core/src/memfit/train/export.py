@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from memfit.errors import UsageError, first_line
+from memfit.errors import ModelFileError, ModelFileMissing, UsageError, first_line
 from memfit.train.checkpoint import (
     CHECKPOINT_FORMAT,
     memfit_version,
@@ -84,15 +85,56 @@ def _validation(run_dir: Path, step: Any) -> dict[str, float]:
     return found
 
 
+def trained_on(settings: dict[str, Any] | None, meta: dict[str, Any] | None = None) -> list[str]:
+    """The data a model trained on, as its run named it: every data flag it had (--data, --clean,
+    --noise), else what its meta says; [] for a system's built-in data (no data flag)."""
+    train = (settings or {}).get("train") or {}
+    sources = [str(train[k]) for k in ("data", "clean", "noise") if train.get(k)]
+    return sources or ([str(meta["data"])] if (meta or {}).get("data") else [])
+
+
+def model_line(system: Any, state: dict[str, Any]) -> str:
+    """One line naming the model a command uses and what it was trained on, from load_model's dict (or one
+    with its meta merged in): 'model: the weights shipped with S (`general` preset, 4747 steps on A + B)'."""
+    path = Path(state["path"])
+    what = f"the weights shipped with {system.name}" if system.is_shipped(path) else str(path)
+    meta = state.get("meta") or state
+    settings = state.get("settings")
+    preset = (settings or {}).get("preset") or meta.get("preset")
+    data = " + ".join(trained_on(settings, meta)) or "the built-in data"
+    if settings is None and not meta.get("data"):
+        data = "data it does not record"
+    step = state.get("step")
+    steps = f"{step} step{'' if step == 1 else 's'}" if step is not None else "an unknown number of steps"
+    return f"model: {what} ({f'`{preset}` preset, ' if preset else ''}{steps} on {data})"
+
+
+def _yaml_list(values: list[str]) -> str:
+    return "".join(f"\n- {json.dumps(v)}" for v in values) if values else " []"
+
+
 def model_card(system: Any, config: dict[str, Any], meta: dict[str, Any]) -> str:
-    """A short README.md for an exported model: what it is, what it was trained on, what it scores."""
-    train = (meta.get("settings") or {}).get("train") or {}
-    sources = [str(train[k]) for k in ("data", "clean", "noise") if train.get(k)]  # every data flag a run had
-    data = " + ".join(sources) or meta.get("data") or "the system's built-in default data"
+    """A README.md for an exported model, Hugging Face style: YAML metadata (library, licence, tags, data
+    sets, metrics), then what it is, what it was trained on and what it scores."""
+    sources = trained_on(meta.get("settings"), meta)
+    data = " + ".join(sources) or "the system's built-in default data"
+    metrics = [k for k in (meta.get("validation") or {}) if k != "choice"]
+    best = meta.get("best") or {}
+    if best.get("metric") and best["metric"] not in metrics and best["metric"] != "choice":
+        metrics.append(best["metric"])
+    params = meta.get("params", 0) / 1e6
     lines = [
-        f"# {system.name}: {meta.get('preset') or 'custom'} model",
+        "---",
+        "library_name: memfit",
+        f"license: {getattr(system, 'license', 'apache-2.0')}",
+        f"tags:{_yaml_list(['memfit', system.name, *getattr(system, 'tags', ())])}",
+        f"datasets:{_yaml_list(sources)}",
+        f"metrics:{_yaml_list(metrics)}",
+        "---",
         "",
-        system.summary,
+        f"# {system.name}: {params:.2f}M parameters, `{meta.get('preset') or 'custom'}` preset",
+        "",
+        f"{system.name}: {system.summary.rstrip('.')}.",
         "",
         "Load it with `memfit.system.load_system"
         f'("{system.name}").from_pretrained(DIR)`, or pass the folder as `--run DIR` to the system\'s '
@@ -102,10 +144,9 @@ def model_card(system: Any, config: dict[str, Any], meta: dict[str, Any]) -> str
         "|---|---|",
         f"| system | `{system.name}` |",
         f"| preset | `{meta.get('preset')}` |",
-        f"| parameters | {meta.get('params', 0) / 1e6:.3f}M |",
+        f"| parameters | {params:.3f}M |",
         f"| trained | {meta.get('step')} optimizer steps on {data} |",
     ]
-    best = meta.get("best") or {}
     if best.get("metric") and best.get("value") is not None:
         where = (
             "these weights" if best["step"] == meta.get("step") else f"step {best['step']}, not these weights"
@@ -120,6 +161,13 @@ def model_card(system: Any, config: dict[str, Any], meta: dict[str, Any]) -> str
     lines += [f"| exported | {meta.get('exported')} from `{meta.get('source')}` |", "", "## Config", ""]
     lines += ["```json", json.dumps(config, indent=1), "```", ""]
     return "\n".join(lines)
+
+
+def _ordinary_mode(path: Path) -> None:
+    """The mode an ordinary file gets here (0644 under the usual umask): safetensors writes 0600."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Path = "runs",
@@ -155,54 +203,60 @@ def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Pa
     tags = {"system": system.name, "format": str(CHECKPOINT_FORMAT)}
     with output_files([out / WEIGHTS, out / CONFIG, out / CARD], overwrite=True) as (weights, config, card):
         save_model(model, str(weights), metadata=tags)
+        _ordinary_mode(weights)
         config.write_text(json.dumps(doc, indent=2) + "\n")
         card.write_text(model_card(system, state["config"], meta))
     return out
 
 
 def load_export(system: Any, path: str | Path, device: str | torch.device = "cpu", **overrides: Any):
-    """(model in eval mode, {"config", "meta", "path", "step", "format", "system"}) from an export folder,
-    with safetensors and json alone; overrides replace config fields (e.g. pcs=True)."""
+    """(model in eval mode, {"config", "meta", "settings", "path", "step", "format", "system"}) from an
+    export folder, with safetensors and json alone; overrides replace config fields (e.g. pcs=True).
+    "settings" are the run's (its data and split; None where the export does not record them), as in a
+    checkpoint. Errors: ModelFileError (a ValueError) or ModelFileMissing (a FileNotFoundError), one line."""
     from safetensors import SafetensorError
     from safetensors.torch import load_model
 
     path = Path(path)
     try:
         doc = json.loads((path / CONFIG).read_text())
+    except FileNotFoundError:
+        raise ModelFileMissing(f"error: {path / CONFIG} does not exist; export the run again") from None
     except (OSError, ValueError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else first_line(e)
-        raise UsageError(f"error: {path / CONFIG}: not readable ({why}); export the run again") from None
+        raise ModelFileError(f"error: {path / CONFIG}: not readable ({why}); export the run again") from None
     if not isinstance(doc, dict):
-        raise UsageError(
+        raise ModelFileError(
             f"error: {path / CONFIG}: not an export's config (a JSON object); export the run again"
         )
     refuse_newer_format(doc, path / CONFIG, "model export")
     if doc.get("format") != CHECKPOINT_FORMAT or doc.get("system") != system.name:
-        raise UsageError(
+        raise ModelFileError(
             f"error: {path} holds a {doc.get('system')} model (format {doc.get('format')}), not a "
             f"{system.name} "
             f"one of format {CHECKPOINT_FORMAT}; pass a {system.name} export"
         )
+    config_cls, build_model = system._builders()
     try:
-        cfg = from_dict(system.config_cls, doc["config"])
+        cfg = from_dict(config_cls, doc["config"])
     except (TypeError, ValueError, KeyError) as e:
-        raise UsageError(f"error: {path}: its config does not build a model ({first_line(e)})") from None
+        raise ModelFileError(f"error: {path}: its config does not build a model ({first_line(e)})") from None
     cfg = with_overrides(cfg, overrides)
     try:
-        model = system.build_model(cfg)
+        model = build_model(cfg)
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        raise UsageError(f"error: {path}: its config does not build a model ({first_line(e)})") from None
+        raise ModelFileError(f"error: {path}: its config does not build a model ({first_line(e)})") from None
     try:
         load_model(model, str(path / WEIGHTS), strict=True)
     except SafetensorError as e:  # a torn copy: "incomplete metadata", "file too small"
-        raise UsageError(
+        raise ModelFileError(
             f"error: {path / WEIGHTS} is truncated or damaged ({first_line(e)}); export the run again"
         ) from None
     except (TypeError, ValueError, RuntimeError, KeyError, OSError) as e:
-        raise UsageError(f"error: {path}: its weights do not fit its config ({first_line(e)})") from None
+        raise ModelFileError(f"error: {path}: its weights do not fit its config ({first_line(e)})") from None
     if bad := nonfinite_parameter(model):
-        raise UsageError(f"error: {path / WEIGHTS}: its weights are not finite ({bad}); export a run whose "
-                         "weights are (its training diverged, or the file is damaged)")  # fmt: skip
+        raise ModelFileError(f"error: {path / WEIGHTS}: its weights are not finite ({bad}); export a run "
+                             "whose weights are (its training diverged, or the file is damaged)")  # fmt: skip
     meta = doc.get("meta") or {}
-    info = {**doc, "path": str(path), "step": meta.get("step")}
+    info = {**doc, "path": str(path), "step": meta.get("step"), "settings": meta.get("settings")}
     return model.to(device).eval(), info

@@ -66,35 +66,61 @@ def apply_threads(args: argparse.Namespace) -> None:
         set_threads(threads)
 
 
-def add_eval_args(parser: argparse.ArgumentParser, system: str, out: bool = True) -> argparse.ArgumentParser:
-    """The flags every `eval` shares: --run, --runs_dir, --out (a folder), --device, --threads.
+def add_eval_args(
+    parser: argparse.ArgumentParser, system: str, out: bool = True, shipped: bool = False
+) -> argparse.ArgumentParser:
+    """The flags every `eval` shares: --run, --runs_dir, --out (a folder), --device, --threads. shipped:
+    the system ships weights, which are the model when no --run is given (and `--run shipped`).
 
     `--run_name` is accepted as a hidden alias of --run (train's spelling of the same name)."""
     g = parser.add_argument_group("run (memfit)")
+    default = "the weights shipped in the package, also `--run shipped`" if shipped else "run"
     g.add_argument(
         "--run",
         default=None,
-        help=f"run name (as given to train --run_name; under --runs_dir/{system}/), run folder or .pt file "
-        "(default: run); a folder is evaluated at its best.pt, else its newest checkpoint",
+        help=f"run name (as given to train --run_name; under --runs_dir/{system}/), run folder, .pt file or "
+        f"exported folder (default: {default}); a run folder is evaluated at its best.pt, else its newest "
+        "checkpoint",
     )
     hidden_alias(g, "--run_name", dest="run")
     g.add_argument("--runs_dir", default="runs", help="where train wrote its runs (default %(default)s)")
+    parser.set_defaults(eval_system=system)
     if out:
-        g.add_argument("--out", default=None, help="output folder (default: <run folder>/eval)")
+        g.add_argument(
+            "--out",
+            default=None,
+            help="output folder (default: <run folder>/eval; for an exported or shipped model, which is "
+            f"never written to: --runs_dir/{system}/<its folder name>/eval)",
+        )
         g.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     add_threads_arg(g)
     return parser
 
 
-def eval_out_dir(args: argparse.Namespace, run_path: Path, inputs: tuple = ()) -> Path:
+def eval_out_dir(
+    args: argparse.Namespace, run_path: Path, inputs: tuple = (), name: str | None = None
+) -> Path:
     """--out, or <run folder>/eval (the run's own: a new eval replaces its files); created here so an
-    unwritable location fails before the work. --out may not lie inside an input (`inputs`, e.g. --data),
-    and a non-empty --out needs --overwrite (memfit.train.outputs.output_dir)."""
+    unwritable location fails before the work. An exported folder (the shipped weights among them) is
+    read, never written: its results go to --runs_dir/<system>/<name>/eval (`name`: the folder's name by
+    default). --out may not lie inside an input (`inputs`, e.g. --data, and the model), and a non-empty
+    --out needs --overwrite (memfit.train.outputs.output_dir)."""
+    from memfit.train.export import is_export
     from memfit.train.outputs import output_dir
 
-    out = Path(args.out) if args.out else (run_path if run_path.is_dir() else run_path.parent) / "eval"
-    return output_dir(out, inputs, overwrite=getattr(args, "overwrite", False), own=not args.out)
+    model_folder = run_path if run_path.is_dir() else run_path.parent
+    exported = is_export(model_folder)
+    if args.out:
+        out = Path(args.out)
+    elif exported:
+        out = Path(args.runs_dir) / args.eval_system / (name or model_folder.name) / "eval"
+    else:
+        out = model_folder / "eval"
+    read_only = [model_folder] if exported else []
+    return output_dir(
+        out, [*inputs, *read_only], overwrite=getattr(args, "overwrite", False), own=not args.out
+    )
 
 
 def hidden_alias(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *names: str, **kw: Any) -> None:

@@ -242,13 +242,20 @@ class Trainer:
             # for good: memfit.train.cpu; MEMFIT_KEEP_FREED=0 leaves malloc alone)
             keep_freed_memory()
         self.dist = init_distributed(self.device)
-        if self.cfg.preflight and self.memory_step is not None and self.batch_size is not None:
-            checked = preflight(self.memory_step, self.batch_size, getattr(self.config, "checkpoint", None),
-                                self.device)  # fmt: skip
-            if checked is not None and self.dist.is_main:
-                print(checked.line(), file=sys.stderr)
         self.run_dir = Path(self.run_dir) if self.run_dir is not None else self.cfg.run_dir(self.system)
         self.folder = RunFolder(self.run_dir)
+        if self.dist.is_main:  # a folder that holds a run is refused before the pre-flight's estimate
+            self.folder.check(self.resume, self.overwrite)
+        if self.cfg.preflight and self.memory_step is not None and self.batch_size is not None:
+            # one estimate (seconds, more where the batch does not fit): a bar on a terminal says it runs
+            from tqdm.auto import tqdm
+
+            with tqdm(total=1, desc="[memfit] memory pre-flight", leave=False, disable=None) as bar:
+                checked = preflight(self.memory_step, self.batch_size,
+                                    getattr(self.config, "checkpoint", None), self.device)  # fmt: skip
+                bar.update()
+            if checked is not None and self.dist.is_main:
+                print(checked.line(), file=sys.stderr)
         if self.dist.is_main:  # refuse a used folder or a live trainer before anything is written
             self.folder.open(self.resume, self.overwrite)
         self.raw_model = self.model  # what is saved; self.model may be wrapped (DDP, compile)

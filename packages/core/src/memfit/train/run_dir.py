@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from memfit.errors import UsageError, os_error_message
+from memfit.errors import ModelFileMissing, UsageError, os_error_message
 from memfit.train.checkpoint import BEST_NAME, list_checkpoints
 from memfit.train.metrics_log import read_rows
 from memfit.train.outputs import pid_alive, remove_stale_temps, write_file
@@ -30,7 +30,8 @@ METRICS_NAME = "metrics.jsonl"
 
 def resolve_run(run: str | Path | None, system: str, runs_dir: str | Path = "runs") -> Path:
     """The run folder or checkpoint file `run` names: None -> runs_dir/system/run; an existing path as is;
-    a bare name -> runs_dir/system/name (what `train --run_name name` wrote)."""
+    a bare name -> runs_dir/system/name (what `train --run_name name` wrote). None of these: ModelFileMissing
+    (a FileNotFoundError; one line)."""
     base = Path(runs_dir) / system
     path = base / "run" if run is None else Path(run)
     if path.exists():
@@ -38,7 +39,7 @@ def resolve_run(run: str | Path | None, system: str, runs_dir: str | Path = "run
     if run is not None and len(path.parts) == 1 and (base / path).exists():
         return base / path
     name = "run" if run is None else str(run)
-    raise UsageError(
+    raise ModelFileMissing(
         f"error: no run {name!r}: no such path and no run of that name in {base}; "
         "train first, or pass --run RUN_NAME (and its --runs_dir) or a run folder / .pt file"
     )
@@ -59,6 +60,22 @@ class RunFolder:
         self.lock = self.path / LOCK_NAME
         self.locked = False
 
+    def check(self, resume: bool, overwrite: bool) -> None:
+        """The refusals `open` makes that need nothing written (flags that contradict, a folder that holds
+        a run without --resume or --overwrite): a trainer checks them before its pre-flight's estimate."""
+        if resume and overwrite:
+            raise UsageError("error: --resume and --overwrite contradict each other; pick one")
+        if holds_run(self.path) and not resume and not overwrite:
+            self._refuse()
+
+    def _refuse(self) -> None:
+        ckpts = list_checkpoints(self.path)
+        what = f"checkpoints up to {ckpts[-1].name}" if ckpts else "metrics"
+        raise UsageError(
+            f"error: {self.path} already holds a run ({what}); continue it with --resume, "
+            "start a new one with --run_name NAME, or replace it with --overwrite"
+        )
+
     def open(self, resume: bool, overwrite: bool) -> None:
         if resume and overwrite:
             raise UsageError("error: --resume and --overwrite contradict each other; pick one")
@@ -75,12 +92,7 @@ class RunFolder:
                 self._clear()
             else:
                 self.release()
-                ckpts = list_checkpoints(self.path)
-                what = f"checkpoints up to {ckpts[-1].name}" if ckpts else "metrics"
-                raise UsageError(
-                    f"error: {self.path} already holds a run ({what}); continue it with --resume, "
-                    "start a new one with --run_name NAME, or replace it with --overwrite"
-                )
+                self._refuse()
 
     def _lock(self) -> None:
         for _ in range(2):

@@ -87,11 +87,15 @@ class LoopConfig:
 
 def check_run_name(name: str) -> None:
     """A run name is one path component of letters, digits, '-', '_' and '.', so a run folder always
-    stays inside runs_dir/<system>/ (not '', '.', '..', 'a/b' or an absolute path)."""
+    stays inside runs_dir/<system>/ (not '', '.', '..', 'a/b' or an absolute path), and not 'shipped'."""
     if not isinstance(name, str) or not RUN_NAME.match(name) or name in (".", ".."):
         raise ValueError(
             f"run_name must be one folder name of letters, digits, '-', '_' and '.', got {name!r} "
             "(runs live in runs_dir/<system>/<run_name>; use --runs_dir to put them elsewhere)"
+        )
+    if name == "shipped":  # `--run shipped` names a package's own weights, never a run folder
+        raise ValueError(
+            "run_name 'shipped' is kept for a package's own weights (`--run shipped`); choose another"
         )
 
 
@@ -339,6 +343,33 @@ def _from_annotation(hint: Any, flag: str) -> dict[str, Any]:
     raise TypeError(f"flag {flag}: its field's type {hint} has no flag form; give type=")
 
 
+@dataclass(frozen=True)
+class HelpDevice:
+    """What presets are shown for in --help when torch is not loaded (it takes seconds to import): a
+    stand-in for torch.device with its `type`, all a preset reads."""
+
+    type: str
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.type
+
+
+def help_device() -> Any:
+    """The device whose presets --help shows: torch's own answer when torch is loaded already, else cuda
+    where an NVIDIA driver is present and CUDA_VISIBLE_DEVICES hides no GPU from us (a guess that only
+    --help's defaults rest on; a run resolves its device with torch)."""
+    import os
+
+    if "torch" in sys.modules:
+        from memfit.train.distributed import resolve_device
+
+        return resolve_device("auto")
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    gpu = Path("/proc/driver/nvidia/gpus").is_dir() and any(Path("/proc/driver/nvidia/gpus").iterdir())
+    return HelpDevice("cuda" if gpu and not hidden else "cpu")
+
+
 class TrainParser:
     """The `train` command line of one system: its presets, and flags each bound to a settings path.
 
@@ -484,9 +515,7 @@ class TrainParser:
     def _preset_trees(self) -> dict[str, Settings]:
         """Every preset's tree on this machine's device (built once: --help's defaults, flag types)."""
         if self._help_presets is None:
-            from memfit.train.distributed import resolve_device
-
-            device = resolve_device("auto")
+            device = help_device()
             self._help_presets = {name: fn(device) for name, fn in self.presets.items()}
         return self._help_presets
 
@@ -508,6 +537,19 @@ class TrainParser:
         return f"default {common}{others}"
 
     # -- building the tree -------------------------------------------------------------------------
+    def _auto_preset(self, device: Any) -> str:
+        """The preset `--config auto` picks on `device` (the GPU one on CUDA)."""
+        return (self.auto[0] if device.type == "cuda" else self.auto[1]) if self.auto else self.default
+
+    def _preset_loop(self, config: str, flags: dict[str, Any]) -> LoopConfig:
+        """The loop settings of the preset `--config` names (auto: the one it picks on the device the flags
+        name), for --resume to find the run it continues (a preset may name its own run folder)."""
+        from memfit.train.distributed import resolve_device
+
+        device = resolve_device(flags.get("loop.device", "auto"))
+        preset = self._auto_preset(device) if config == "auto" else config
+        return self.presets[preset](device).loop if preset in self.presets else LoopConfig()
+
     def _named(self, path: str, source: str) -> str:
         """The flag that sets `path` ('--loss mag' for train.loss.mag), or 'path in FILE'."""
         if source != "flags":
@@ -527,12 +569,12 @@ class TrainParser:
     def parse(self, argv: list[str] | None = None) -> TrainRun:
         """The run's settings: preset <- file <- flags (one line, exit 2, for anything bad). Also caps the
         thread pools at loop.threads, so data preparation runs on the same threads as training."""
-        from memfit.train.distributed import dist_info, resolve_device
-
         if not self._loop_added:  # last, so --help lists a system's own flags first
             self._loop_flags()
             self._loop_added = True
-        args = self.parser.parse_args(argv)
+        args = self.parser.parse_args(argv)  # --help ends here, before torch is imported
+        from memfit.train.distributed import dist_info, resolve_device
+
         set_by: dict[str, list[str]] = {}  # path -> the flags that set it (default SUPPRESS: given ones only)
         for dest, path in self.paths.items():
             if hasattr(args, dest):
@@ -559,7 +601,7 @@ class TrainParser:
                 )
             file = read_config_file(config, self.system)
         elif args.resume and config == self.default:  # resume: the run's own settings, then the flags
-            loop = LoopConfig()
+            loop = self._preset_loop(config, flags)
             runs_dir = flags.get("loop.runs_dir", loop.runs_dir)
             run_name = flags.get("loop.run_name", loop.run_name)
             try:
@@ -578,7 +620,7 @@ class TrainParser:
         device = resolve_device(device_name)
         preset = (file or {}).get("preset") or (config if file is None else None) or self.default
         if preset == "auto":
-            preset = (self.auto[0] if device.type == "cuda" else self.auto[1]) if self.auto else self.default
+            preset = self._auto_preset(device)
             if dist_info().is_main:
                 where = "a GPU" if device.type == "cuda" else "no GPU"
                 note = f"[memfit] --config auto: {where}, so the {preset!r} preset (--config NAME: another)"

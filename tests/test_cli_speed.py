@@ -1,0 +1,65 @@
+"""The commands a user types first answer in about a second: `memfit --help`, `memfit systems` and
+`memfit train SYSTEM --help` never import torch (about 2 s of CPU on its own, 5 s with the estimator).
+
+Each command runs in a fresh interpreter (a subprocess: this one has torch loaded long ago). What is
+checked is what does not depend on how busy the machine is: that torch was not imported, and the CPU time
+the process used (user + system, not wall time: on a loaded 2-core CI machine the wall time of the same
+work can triple). 1.2 s of CPU is the limit: the commands take 0.2-0.4 s on an idle machine, and the
+same commands importing torch took 6.7 s.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.systems import ALIASES
+
+CPU_LIMIT_S = 1.2
+
+PROBE = """
+import contextlib, io, json, resource, sys
+from memfit import cli
+out = io.StringIO()
+try:
+    with contextlib.redirect_stdout(out):
+        cli.main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+use = resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({"code": code, "torch": "torch" in sys.modules, "cpu_s": use.ru_utime + use.ru_stime,
+                  "out": out.getvalue()}))
+"""
+
+
+def run_cli(*argv: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["systems"], *(["train", s, "--help"] for s in sorted(ALIASES))],
+    ids=lambda a: " ".join(a),
+)
+def test_first_commands_answer_without_torch(argv):
+    r = run_cli(*argv)
+    assert r["code"] == 0 and r["out"].strip()
+    assert not r["torch"], f"memfit {' '.join(argv)} imported torch"
+    assert r["cpu_s"] <= CPU_LIMIT_S, f"memfit {' '.join(argv)} used {r['cpu_s']:.2f} s of CPU"
+
+
+def test_the_help_still_names_every_command_and_the_heavy_ones_still_parse():
+    """The estimator's commands are listed without being loaded, and their own --help still has their
+    flags (which load the estimator: that is fine, the user asked for it)."""
+    top = run_cli("--help")["out"]
+    for command in ("budget", "fit", "estimate", "run", "systems", "train", "eval", "export", "doctor"):
+        assert f"    {command}" in top
+    estimate = run_cli("estimate", "--help")
+    assert estimate["code"] == 0 and "--gpu_gib" in estimate["out"] and estimate["torch"]
+    systems = run_cli("systems")["out"]
+    assert "mbsnet-speech  (extra commands: enhance)" in systems and "gpt2-window" in systems
