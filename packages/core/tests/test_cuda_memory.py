@@ -15,7 +15,7 @@ from memfit import cli
 from memfit.errors import UsageError
 from memfit.estimate import fit, preflight, workspaces
 from memfit.estimate.memory import WORKSPACES, TrainStep, estimate_training_step
-from memfit.estimate.trace import DTYPE, OP, trace_step
+from memfit.estimate.trace import DTYPE, MODULE, OP, trace_step
 from torch import nn
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -354,3 +354,48 @@ def test_grads_are_said_to_be_counted_alive_at_the_peak_and_a_fitting_step_is_no
     assert "The step fits; largest batch" in out
     peak_line = out.splitlines()[1]
     assert "alive at the peak" in peak_line
+
+
+@pytest.mark.parametrize("mode", ["gru", "lstm"])
+def test_rnns_take_cudnn_on_cuda_with_its_reserve_and_no_cublas(mode):
+    """nn.GRU/LSTM run `_cudnn_rnn` on CUDA: the reserve (the formula recorded exact on the H200) is kept
+    for backward, the per-step CPU cell ops (and their matmuls' cuBLAS workspaces) never run; the recorded
+    GRU step made no cuBLAS workspace either."""
+    cls = nn.GRU if mode == "gru" else nn.LSTM
+    step = TrainStep(
+        build_model=lambda: cls(256, 512, num_layers=2, batch_first=True),
+        make_batch=lambda d: torch.randn(16, 200, 256, device=d),
+        loss=lambda m, x: m(x)[0].square().mean(),
+        amp_dtype=None,
+    )
+    tr = trace_step(step, device="cuda")
+    reserve = workspaces.cudnn_rnn_reserve_bytes(mode, 512, 200, 16, 2, 4)
+    kept = [r for r in tr.records if r[DTYPE] == torch.uint8 and r[6]]
+    assert [r[0] for r in kept] == [-(-reserve // 512) * 512]  # in its 512-byte block
+    assert WORKSPACES not in tr.report.by_category or tr.report.by_category[WORKSPACES] == 0
+    assert not [r for r in tr.records if r[OP] in ("mm", "addmm", "mkldnn_rnn_layer")]
+    params = sum(p.numel() for p in cls(256, 512, num_layers=2).parameters()) * 4
+    grads = [r for r in tr.records if r[1] == "grads" and r[MODULE] == "(backward)"]
+    assert [r[0] for r in grads] == [-(-params // 512) * 512]  # one flat buffer, the grads its views
+
+
+def test_transformers_checkpointing_recomputes_under_the_cuda_rules():
+    """transformers' gradient_checkpointing_enable holds torch's own `checkpoint` (imported before any
+    estimate): the recompute must still see the CUDA rules (fused SDPA with dropout, dropout's bool mask),
+    or checkpoint refuses the different number of saved tensors."""
+    transformers = pytest.importorskip("transformers")
+    from memfit.estimate.explain import checkpointed
+
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=128)
+    step = TrainStep(
+        build_model=lambda: transformers.GPT2LMHeadModel(cfg),
+        make_batch=lambda d: torch.randint(0, 256, (4, 128), device=d),
+        loss=lambda m, x: m(x).logits.float().logsumexp(-1).mean(),
+    )
+    plain = trace_step(step, device="cuda").report
+    ckpt = trace_step(checkpointed(step), device="cuda").report
+    acts = "activations"
+    assert ckpt.by_category[acts] < plain.by_category[acts]
+    assert (
+        torch.utils.checkpoint._checkpoint_without_reentrant_generator.__module__ == "torch.utils.checkpoint"
+    )

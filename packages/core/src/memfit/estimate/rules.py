@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
+from memfit.estimate import workspaces
 from memfit.ops import registry
 
 PAGE = 4096  # oneDNN page-aligns each part of an RNN workspace
@@ -229,6 +230,71 @@ def _dropout(func, args, kwargs):
 
 
 _DROPOUTS = (F.dropout, torch.dropout)
+_RNNS = {torch._C._VariableFunctions.gru: "gru", torch._C._VariableFunctions.lstm: "lstm"}  # what _VF calls
+
+
+class _CudnnRNN(torch.autograd.Function):
+    """What ``_cudnn_rnn`` and ``_cudnn_rnn_backward`` allocate (aten/src/ATen/native/cudnn/RNN.cpp), on
+    fake tensors (the op's meta kernel returns a 0-byte reserve and its backward has no fake kernel).
+
+    Forward: ``input.contiguous()`` of the time-major input (a transient copy for batch-first input), the
+    output (T, B, D*H), hy (and cy for an LSTM), and the reserve, which autograd keeps for backward with
+    the input, the hidden state and the output (derivatives.yaml ``_cudnn_rnn``: result3); its size is
+    ``workspaces.cudnn_rnn_reserve_bytes`` (cuDNN's, measured exact on 192 shapes). Backward: dx, dhx
+    (dcx) and one flat weight gradient the parameters' gradients are views of. cuDNN's own workspaces
+    (transient, 12-259 MiB measured, no formula) are not modelled."""
+
+    @staticmethod
+    def forward(ctx, mode, hidden, layers, bidirectional, batch_first, x, hx, cx, *weights):
+        D = 2 if bidirectional else 1
+        T, B = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+        if batch_first:
+            x.transpose(0, 1).contiguous()  # freed as the call returns
+        out = x.new_empty((T, B, D * hidden))
+        hy = x.new_empty((layers * D, B, hidden))
+        cy = x.new_empty((layers * D, B, hidden)) if cx is not None else None
+        nbytes = workspaces.cudnn_rnn_reserve_bytes(
+            mode, hidden, T, B, layers, x.element_size(), bidirectional
+        )
+        reserve = x.new_empty((nbytes,), dtype=torch.uint8)
+        ctx.save_for_backward(x, hx, cx, out, reserve)
+        ctx.n_weights = len(weights)
+        ctx.weights = [(w.shape, w.dtype) for w in weights]
+        return (out.transpose(0, 1) if batch_first else out), hy, cy
+
+    @staticmethod
+    def backward(ctx, dout, dhy, dcy):
+        x, hx, cx, _, _ = ctx.saved_tensors
+        dx = torch.empty_like(x)
+        dhx = torch.empty_like(hx)
+        dcx = None if cx is None else torch.empty_like(cx)
+        total = sum(math.prod(shape) for shape, _ in ctx.weights)
+        flat = x.new_zeros((total,), dtype=ctx.weights[0][1])
+        grads, at = [], 0
+        for shape, _ in ctx.weights:
+            n = math.prod(shape)
+            grads.append(flat[at : at + n].view(shape))
+            at += n
+        return None, None, None, None, None, dx, dhx, dcx, *grads
+
+
+def _rnn(name: str, args: tuple, kwargs: dict):
+    """``_VF.gru`` / ``_VF.lstm`` as CUDA runs them: ``_cudnn_rnn`` whenever cuDNN takes the input
+    (``cudnn_is_acceptable``: float, half or double; the default), with what it keeps (``_CudnnRNN``).
+    Packed sequences and LSTM projections keep the traced CPU path."""
+    if kwargs or len(args) != 9 or not isinstance(args[2], (list, tuple)):
+        return None  # the packed-sequence signature (input, batch_sizes, hx, ...)
+    x, hx, weights, bias, layers, dropout, train, bidirectional, batch_first = args
+    cx = None
+    if name == "lstm":
+        hx, cx = hx
+        if hx.shape[-1] != cx.shape[-1]:
+            return None  # proj_size
+    if x.dtype not in (torch.float32, torch.float16, torch.float64, torch.bfloat16) or x.dim() != 3:
+        return None
+    hidden = hx.shape[-1]
+    out, hy, cy = _CudnnRNN.apply(name, hidden, layers, bidirectional, batch_first, x, hx, cx, *weights)
+    return (out, hy) if cx is None else (out, hy, cy)
 
 
 class CudaRules(TorchFunctionMode):
@@ -241,6 +307,10 @@ class CudaRules(TorchFunctionMode):
             return _sdpa(*args, **kwargs)
         if func in _DROPOUTS:
             return _dropout(func, args, kwargs)
+        if func in _RNNS:
+            out = _rnn(_RNNS[func], args, kwargs)
+            if out is not None:
+                return out
         if torch.is_autocast_enabled("cpu") and getattr(func, "__name__", "") in CUDA_FP32_OPS:
             low = torch.get_autocast_dtype("cpu")
 
@@ -260,20 +330,19 @@ class CudaRules(TorchFunctionMode):
 @contextlib.contextmanager
 def cuda_rules(target: registry.Target | None = None) -> Iterator[None]:
     """CudaRules for the whole step, activation checkpointing's recompute included: PyTorch runs that
-    recompute inside backward, where a TorchFunctionMode is not seen, so non-reentrant checkpoint calls
-    get a context_fn that enters the rules around it (the saved and recomputed tensors then agree).
-    ``target``: the CUDA run the trace stands for (None: ``assumed_target()``), which the ops' registry
-    reads to choose each op's implementation as that run would."""
-    real = torch.utils.checkpoint.checkpoint
+    recompute inside backward, where a TorchFunctionMode is not seen, so every non-reentrant checkpoint
+    gets a context_fn that enters the rules around it (the saved and recomputed tensors then agree). The
+    hook is ``torch.utils.checkpoint._checkpoint_without_reentrant_generator``, which ``checkpoint`` looks
+    up at each call: it also reaches callers that imported ``checkpoint`` itself before the estimate
+    (transformers' ``gradient_checkpointing_enable``). ``target``: the CUDA run the trace stands for (None:
+    ``assumed_target()``), which the ops' registry reads to choose each op's implementation as that run
+    would."""
+    module = torch.utils.checkpoint
+    real = module._checkpoint_without_reentrant_generator
 
-    def checkpoint(function, *args, use_reentrant=None, context_fn=None, **kwargs):
-        if use_reentrant is not False:  # the reentrant variant recomputes in an autograd Function's backward
-            return real(function, *args, use_reentrant=use_reentrant, context_fn=context_fn or
-                        torch.utils.checkpoint.noop_context_fn, **kwargs)  # fmt: skip
-        inner = context_fn or torch.utils.checkpoint.noop_context_fn
-
+    def generator(fn, preserve_rng_state=True, context_fn=module.noop_context_fn, *args, **kwargs):
         def with_rules():
-            forward, recompute = inner()
+            forward, recompute = context_fn()
 
             @contextlib.contextmanager
             def recompute_with_rules() -> Iterator[None]:
@@ -282,14 +351,14 @@ def cuda_rules(target: registry.Target | None = None) -> Iterator[None]:
 
             return forward, recompute_with_rules()
 
-        return real(function, *args, use_reentrant=False, context_fn=with_rules, **kwargs)
+        return real(fn, preserve_rng_state, with_rules, *args, **kwargs)
 
-    torch.utils.checkpoint.checkpoint = checkpoint
+    module._checkpoint_without_reentrant_generator = generator
     try:
         with registry.traced_as(target if target is not None else assumed_target()), CudaRules():
             yield
     finally:
-        torch.utils.checkpoint.checkpoint = real
+        module._checkpoint_without_reentrant_generator = real
 
 
 # ----------------------------------------------------------------------------------------------------
