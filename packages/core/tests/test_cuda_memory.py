@@ -399,3 +399,17 @@ def test_transformers_checkpointing_recomputes_under_the_cuda_rules():
     assert (
         torch.utils.checkpoint._checkpoint_without_reentrant_generator.__module__ == "torch.utils.checkpoint"
     )
+
+
+def test_an_optimizer_left_to_its_default_runs_foreach_on_cuda():
+    """torch.optim picks foreach for CUDA parameters when given neither foreach nor fused (the recorded
+    H200 programs ran it: AdamW's `_foreach_*` ops); fake CPU tensors would take the per-parameter loop."""
+    step = mlp_step()
+    default = TrainStep(step.build_model, step.make_batch, step.loss, lambda p: torch.optim.AdamW(p), None)
+    ops = {dev: {r[OP] for r in trace_step(default, device=dev).records} for dev in ("cpu", "cuda")}
+    assert any(op.startswith("foreach_") for op in ops["cuda"])
+    assert not any(op.startswith("foreach_") for op in ops["cpu"])
+    assert cuda_estimate(default).peak_bytes == cuda_estimate(step).peak_bytes  # as foreach=True
+    from torch.optim import adam, optimizer
+
+    assert adam._default_to_fused_or_foreach is optimizer._default_to_fused_or_foreach  # restored

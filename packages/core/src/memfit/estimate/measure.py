@@ -8,7 +8,8 @@ training steps, from an empty caching allocator (``torch.cuda.empty_cache``) and
 * allocated: ``torch.cuda.max_memory_allocated`` over the build and the steps;
 * reserved: ``torch.cuda.max_memory_reserved`` over the same;
 * total: reserved + the CUDA context as this process has it then (``mem_get_info``'s used memory minus
-  ``memory_reserved``: the context grows as kernels load, so it is the process's, not one step's);
+  ``memory_reserved``: the context grows as kernels load, so it is the process's, not one step's; on a
+  GPU other processes use too, their memory counts as well);
 * by category, where the GPU can tell: the parameters (allocated after the build), the optimizer state
   (its tensors' bytes), the CUDA libraries' workspaces (what ``_cuda_clearCublasWorkspaces`` frees at the
   end), and the rest of the peak (activations and gradients).
@@ -171,16 +172,25 @@ def compare_budgets(
                 )
                 rows.append(row)
                 continue
-            try:
-                measured = measure_step(entry.step, device, steps)
-            except torch.cuda.OutOfMemoryError as e:
-                _fresh(device)
-                row["skipped"] = f"out of memory on the GPU: {str(e).splitlines()[0][:160]}"
-                rows.append(row)
-                continue
-            row.update(compare(report, measured))
+            measured = _measured_or_why(entry.step, device, steps)
+            if isinstance(measured, str):
+                row["skipped"] = measured
+            else:
+                row.update(compare(report, measured))
             rows.append(row)
     return rows
+
+
+def _measured_or_why(step: TrainStep, device: torch.device, steps: int = 3) -> dict[str, Any] | str:
+    """measure_step's figures, or why there are none (out of memory on the GPU); the memory the failed
+    step held is released before returning (the exception's frames hold it until then)."""
+    why = None
+    try:
+        return measure_step(step, device, steps)
+    except torch.cuda.OutOfMemoryError as e:
+        why = f"out of memory on the GPU: {str(e).splitlines()[0][:160]}"
+    _fresh(device)
+    return why
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
@@ -216,14 +226,14 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def estimate_measure(step: TrainStep, label: str, as_json: bool, cuda_kernels: bool | None) -> dict:
+def estimate_measure(step: TrainStep, label: str, cuda_kernels: bool | None = None) -> dict:
     """`memfit estimate --measure`: the target's step estimated for this GPU and run on it (one row)."""
     device = require_gpu()
     report = estimate_for(step, device, cuda_kernels)
     row: dict[str, Any] = {"system": label, "variant": "-", **_environment(device)}
-    try:
-        row.update(compare(report, measure_step(step, device)))
-    except torch.cuda.OutOfMemoryError as e:
-        _fresh(device)
-        row["skipped"] = f"out of memory on the GPU: {str(e).splitlines()[0][:160]}"
+    measured = _measured_or_why(step, device)
+    if isinstance(measured, str):
+        row["skipped"] = measured
+    else:
+        row.update(compare(report, measured))
     return row

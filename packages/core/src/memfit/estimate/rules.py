@@ -22,6 +22,8 @@ make that differ from a real run:
   - autocast follows CUDA's policy: the ops CUDA autocast runs in fp32 (layer_norm, group_norm, softmax,
     log_softmax, exp, pow, sum, cumsum, the losses, ...; ``CUDA_FP32_OPS``) get fp32 inputs, where CPU
     autocast would leave them in bf16/fp16.
+  - an optimizer given neither ``foreach`` nor ``fused`` takes its foreach implementation, as it does on
+    CUDA tensors (``torch.optim.optimizer._default_to_fused_or_foreach``).
   - ``F.dropout`` takes CUDA's fused kernel (``native_dropout``: a bool mask kept for backward), where the
     CPU path keeps a noise tensor of the input's dtype (``_dropout``): eager attention's dropout over
     (batch, heads, L, L) probabilities was counted twice over (Hugging Face GPT-2, eager attention, batch
@@ -354,11 +356,37 @@ def cuda_rules(target: registry.Target | None = None) -> Iterator[None]:
         return real(fn, preserve_rng_state, with_rules, *args, **kwargs)
 
     module._checkpoint_without_reentrant_generator = generator
+    optimizers = _optimizers_default_to_cuda()
     try:
         with registry.traced_as(target if target is not None else assumed_target()), CudaRules():
             yield
     finally:
         module._checkpoint_without_reentrant_generator = real
+        for mod, original in optimizers:
+            mod._default_to_fused_or_foreach = original
+
+
+def _default_to_fused_or_foreach_cuda(params, differentiable: bool, use_fused: bool = False):
+    """``torch.optim.optimizer._default_to_fused_or_foreach`` for tensors that stand for CUDA tensors: an
+    optimizer given neither ``foreach`` nor ``fused`` runs its foreach implementation on CUDA (one
+    ``_foreach_*`` op over all parameters, whose intermediates are as large as the parameters), where the
+    fake CPU tensors would take the per-parameter loop."""
+    if torch.jit.is_scripting() or differentiable:
+        return False, False
+    tensors = all(p is None or isinstance(p, torch.Tensor) for p in params)
+    fused = use_fused and tensors and all(p is None or torch.is_floating_point(p) for p in params)
+    return fused, not fused and tensors
+
+
+def _optimizers_default_to_cuda() -> list[tuple]:
+    """Point every torch.optim module's imported ``_default_to_fused_or_foreach`` at the CUDA one; returns
+    (module, original) pairs to restore."""
+    swapped = []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torch.optim") and hasattr(mod, "_default_to_fused_or_foreach"):
+            swapped.append((mod, mod._default_to_fused_or_foreach))
+            mod._default_to_fused_or_foreach = _default_to_fused_or_foreach_cuda
+    return swapped
 
 
 # ----------------------------------------------------------------------------------------------------
