@@ -248,7 +248,8 @@ def _fit(args: argparse.Namespace) -> int:
     ):
         results = fit_system(load_system(args.system).budgets(), args.gpu_gib, args.max_batch, args.variant)
         ran = {k for k, n in registry.ran().items() if n > before.get(k, 0)}
-        described = f"{assumed_target().describe(ran) or 'no optional kernels'}, {assumed_card().describe()}"
+        kernels = assumed_target().describe(ran) or "PyTorch's own kernels"
+        described = f"{kernels}, {assumed_card().describe()}"
     if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
         print(message, file=sys.stderr)
         return 2
