@@ -64,7 +64,8 @@ def measure_step(step: TrainStep, device: torch.device | None = None, steps: int
     figures and the split the GPU can tell (see the module docstring). Bytes, not GiB."""
     device = device or require_gpu()
     _fresh(device)
-    base = torch.cuda.memory_allocated(device)
+    base = torch.cuda.memory_allocated(device)  # what the process holds beyond the step (0 normally)
+    reserved_base = torch.cuda.memory_reserved(device)
     with torch.device(device):
         model = step.build_model()
         params = torch.cuda.memory_allocated(device) - base
@@ -79,7 +80,7 @@ def measure_step(step: TrainStep, device: torch.device | None = None, steps: int
         if isinstance(v, torch.Tensor) and v.is_cuda
     )
     allocated = torch.cuda.max_memory_allocated(device) - base
-    reserved = torch.cuda.max_memory_reserved(device)
+    reserved = torch.cuda.max_memory_reserved(device) - reserved_base
     free, total_memory = torch.cuda.mem_get_info(device)
     context = total_memory - free - torch.cuda.memory_reserved(device)
     before = torch.cuda.memory_allocated(device)
@@ -116,16 +117,20 @@ def compare(report: MemoryReport, measured: dict[str, Any]) -> dict[str, Any]:
     c = report.cuda
     assert c is not None
     cats = report.by_category
+    # as measured: the parameters, the optimizer state, the cuBLAS/cuBLASLt workspaces the step made
+    # (persistent), and the rest of the allocator peak
+    params, state = cats.get("params", 0), cats.get("optimizer", 0)
+    libraries = sum(v for k, v in c.libraries.items() if k.startswith("cuBLAS"))
     est = {
         "allocated": c.allocated,
         "reserved": c.reserved,
         "context": c.context,
         "total": needed_bytes(report, "cuda"),
         "by_category": {
-            "params": cats.get("params", 0),
-            "optimizer": cats.get("optimizer", 0),
-            WORKSPACES: cats.get(WORKSPACES, 0),
-            "grads + activations": cats.get("grads", 0) + cats.get("activations", 0),
+            "params": params,
+            "optimizer": state,
+            WORKSPACES: libraries,
+            "grads + activations": max(0, c.allocated - params - state - libraries),
         },
     }
     gap = {
