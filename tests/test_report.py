@@ -39,19 +39,20 @@ def test_report_rejects_unknown_system(tmp_path):
 
 
 def _check_fit(system, gpu_gib, max_batch, variant):
-    from memfit.estimate.fit import fit_system
-    from memfit.estimate.memory import estimate_training_step
+    from memfit.estimate.fit import fit_system, needed_bytes, usable_bytes
+    from memfit.estimate.memory import GIB, estimate_training_step
     from memfit.system import load_system
 
     entry = next(e for e in load_system(system).budgets() if e.variant == variant)
     results = fit_system(load_system(system).budgets(), gpu_gib, max_batch=max_batch, variants=[variant])
     assert {r.checkpointing for r in results} == {False, True}
+    usable = usable_bytes(gpu_gib * GIB) / GIB  # the margin rule: the card total within 90% of the GPU
     for r in results:
         assert 1 <= r.batch < max_batch
-        assert r.estimated_gib <= gpu_gib < r.next_gib
+        assert r.allocated_gib <= r.reserved_gib < r.estimated_gib <= usable < r.next_gib
         # the answer is exact: batch+1 does not fit
-        over = estimate_training_step(entry.make_step(r.batch + 1, r.checkpointing)).peak_gib
-        assert over > gpu_gib
+        over = estimate_training_step(entry.make_step(r.batch + 1, r.checkpointing), device="cuda")
+        assert needed_bytes(over, "cuda") / GIB > usable
     plain, ckpt = sorted(results, key=lambda r: r.checkpointing)
     assert ckpt.batch >= plain.batch  # checkpointing never lowers the batch that fits
 

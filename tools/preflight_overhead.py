@@ -6,7 +6,7 @@ For each system's CPU recipe (at a batch large enough that the step dwarfs the p
 estimated tensor peak (memfit.estimate.memory.estimate_training_step), the growth of the process's peak RSS
 over
 two real steps, and their ratio, with malloc's defaults and with the Trainer's keep_freed_memory. The
-largest ratio is memfit.estimate.preflight.OVERHEAD["cpu"]'s evidence. Each case runs in a fresh process.
+largest ratio is memfit.estimate.fit.CPU_OVERHEAD's evidence. Each case runs in a fresh process.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main() -> None:
             worst = max(worst, growth / estimate)
             cells.append(f"{growth / 2**30:.3f} ({growth / estimate:.2f}x)")
         print(f"{system:<20} {batch:>5} {estimate / 2**30:>12.3f} {' / '.join(cells):>40}")
-    print(f"largest ratio: {worst:.2f}x (memfit.estimate.preflight.OVERHEAD['cpu'] must be at least this)")
+    print(f"largest ratio: {worst:.2f}x (memfit.estimate.fit.CPU_OVERHEAD must be at least this)")
 
 
 if __name__ == "__main__":

@@ -124,9 +124,11 @@ def eval_main(argv: list[str] | None = None) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def budget_rows(system: str | None = None, device: str = "cpu") -> list[dict]:
+def budget_rows(system: str | None = None, device: str = "cpu", ran: dict | None = None) -> list[dict]:
     """Estimate every registered (system, variant) paper-size step; one dict per row (`budget --json`).
-    device="cuda": with a CUDA run's kernels and allocator rounding (memfit.estimate.rules)."""
+    device="cuda": what a CUDA run allocates (memfit.estimate.rules, workspaces): ``estimated_gib`` is the
+    allocator peak, and the rows add the reserved peak and the card total (memfit.estimate.cuda_memory).
+    ``ran``: a dict the op implementations the estimates chose are added to ({(op, impl): calls})."""
     from tqdm import tqdm
 
     from memfit.estimate.memory import estimate_training_step
@@ -138,30 +140,51 @@ def budget_rows(system: str | None = None, device: str = "cpu") -> list[dict]:
         for name, e in bar:
             bar.set_postfix_str(f"{name} {e.variant}")
             report = estimate_training_step(e.step, device=device)
-            rows.append(
-                {
-                    "system": name,
-                    "variant": e.variant,
-                    "config": e.config,
-                    "batch": e.batch,
-                    "dtype": e.dtype,
-                    "params": report.params,
-                    "estimated_gib": round(report.peak_gib, 4),
-                    "budget_gib": None if e.is_baseline else e.budget_gib,
-                    "is_baseline": e.is_baseline,
-                    "fits": None
-                    if e.is_baseline or e.budget_gib is None
-                    else report.peak_gib <= e.budget_gib,
-                    "by_category": {k: round(v, 4) for k, v in report.category_gib().items()},
-                }
-            )
+            if ran is not None:
+                for k, n in report.ran.items():
+                    ran[k] = ran.get(k, 0) + n
+            row = {
+                "system": name,
+                "variant": e.variant,
+                "config": e.config,
+                "batch": e.batch,
+                "dtype": e.dtype,
+                "params": report.params,
+                "estimated_gib": round(report.peak_gib, 4),
+                "budget_gib": None if e.is_baseline else e.budget_gib,
+                "is_baseline": e.is_baseline,
+                "fits": None if e.is_baseline or e.budget_gib is None else report.peak_gib <= e.budget_gib,
+                "by_category": {k: round(v, 4) for k, v in report.category_gib().items()},
+            }
+            if report.cuda is not None:
+                row["reserved_gib"] = round(report.cuda.reserved / 2**30, 4)
+                row["total_gib"] = round(report.cuda.total / 2**30, 4)
+            rows.append(row)
     return rows
 
 
+def compare_budgets(
+    systems: list[str] | None = None, steps: int = 3, cuda_kernels: bool = True
+) -> list[dict]:
+    """`memfit budget --measure` as a function (what a benchmark script calls): every budget row of
+    ``systems`` (None: all installed) estimated for this machine's GPU and measured on it, one dict per row
+    (memfit.estimate.measure.compare_budgets). ``cuda_kernels=False``: the estimate assumes no cuda extra
+    (as --no_cuda_kernels). Raises memfit.errors.UsageError without a GPU."""
+    from memfit.estimate.measure import compare_budgets as compare
+    from memfit.estimate.measure import require_gpu
+
+    require_gpu()
+    names = sorted(available_systems()) if systems is None else list(systems)
+    budgets = {name: load_system(name).budgets() for name in names}
+    return compare(budgets, steps, None if cuda_kernels else False)
+
+
 def format_budget_table(rows: list[dict]) -> str:
+    cuda = any("total_gib" in r for r in rows)
+    figures = f"{'allocated':>9} {'reserved':>9} {'total GiB':>9}" if cuda else f"{'estimate GiB':>12}"
     header = (
         f"{'system':<20} {'variant':<18} {'batch':>5} {'dtype':<5} {'params':>8} "
-        f"{'estimate GiB':>12} {'budget GiB':>10}  status"
+        f"{figures} {'budget GiB':>10}  status"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -170,9 +193,13 @@ def format_budget_table(rows: list[dict]) -> str:
             status = "naive baseline"
         else:
             status = "fits" if r["fits"] else "OVER BUDGET"
+        if cuda:
+            shown = f"{r['estimated_gib']:>9.3f} {r['reserved_gib']:>9.3f} {r['total_gib']:>9.3f}"
+        else:
+            shown = f"{r['estimated_gib']:>12.3f}"
         lines.append(
             f"{r['system']:<20} {r['variant']:<18} {r['batch']:>5} {r['dtype']:<5} "
-            f"{r['params'] / 1e6:>7.2f}M {r['estimated_gib']:>12.3f} {budget:>10}  {status}"
+            f"{r['params'] / 1e6:>7.2f}M {shown} {budget:>10}  {status}"
         )
     if not rows:
         lines.append("(no systems registered: install a model package, e.g. `uv sync --all-packages`)")
@@ -180,19 +207,35 @@ def format_budget_table(rows: list[dict]) -> str:
 
 
 def _budget(args: argparse.Namespace) -> int:
-    from memfit.estimate import cuda_kernels_assumed
+    from memfit.estimate import cuda_kernels_assumed, gpu_card
     from memfit.estimate.rules import assume_kernels, assumed_target
+    from memfit.estimate.workspaces import assume_card, assumed_card
 
     if args.system is not None and args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
         raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
-    with assume_kernels(cuda_kernels_assumed(args.device, False if args.no_cuda_kernels else None)):
-        rows = budget_rows(args.system, args.device)
-        described = assumed_target().describe()
+    card = gpu_card(args.device, args.gpu)
+    if args.measure:
+        from memfit.estimate.measure import format_rows, require_gpu
+
+        require_gpu()
+        names = None if args.system is None else [args.system]
+        rows = compare_budgets(names, cuda_kernels=not args.no_cuda_kernels)
+        print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
+        return 0
+    ran: dict = {}
+    assumed = cuda_kernels_assumed(args.device, False if args.no_cuda_kernels else None)
+    with assume_kernels(assumed), assume_card(card):
+        rows = budget_rows(args.system, args.device, ran)
+        described = assumed_target().describe(ran)
+        which = assumed_card()
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
-        kernels = f"CUDA's kernels {described}" if args.device == "cuda" else "the CPU's kernels"
+        kernels = "the CPU's kernels"
+        if args.device == "cuda":
+            kernels = f"CUDA{' kernels ' + described if described else ''} on {which.describe()}"
+            kernels += "; allocator peak, reserved peak, card total = reserved + CUDA context"
         print(f"Estimated peak of one paper-size training step (fake tensors, {kernels}; --json for details)")
         print(format_budget_table(rows))
     return 0 if all(r["fits"] is not False for r in rows) else 1
@@ -201,9 +244,11 @@ def _budget(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from memfit.estimate import cuda_kernels_assumed
+    from memfit.estimate import cuda_kernels_assumed, gpu_card
     from memfit.estimate.fit import fit_system, format_fit, nothing_fits
     from memfit.estimate.rules import assume_kernels, assumed_target
+    from memfit.estimate.workspaces import assume_card, assumed_card
+    from memfit.ops import registry
 
     if args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
@@ -211,9 +256,16 @@ def _fit(args: argparse.Namespace) -> int:
     if args.gpu_gib is None:
         raise UsageError("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
     check_numbers(args, gpu_gib=">0", max_batch=">=1")
-    with assume_kernels(cuda_kernels_assumed("cuda", False if args.no_cuda_kernels else None)):
+    card = gpu_card("cuda", args.gpu)
+    before = registry.traced()
+    with (
+        assume_kernels(cuda_kernels_assumed("cuda", False if args.no_cuda_kernels else None)),
+        assume_card(card),
+    ):
         results = fit_system(load_system(args.system).budgets(), args.gpu_gib, args.max_batch, args.variant)
-        described = assumed_target().describe()
+        ran = {k for k, n in registry.traced().items() if n > before.get(k, 0)}
+        kernels = assumed_target().describe(ran) or "PyTorch's own kernels"
+        described = f"{kernels}, {assumed_card().describe()}"
     if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
         print(message, file=sys.stderr)
         return 2
@@ -362,7 +414,7 @@ def _main(argv: list[str] | None = None) -> int:
 
 def _heavy_parsers(sub: argparse._SubParsersAction) -> None:
     """`memfit budget / fit / estimate`: their flags' help comes from the estimator."""
-    from memfit.estimate import NO_CUDA_KERNELS_HELP
+    from memfit.estimate import GPU_HELP, MEASURE_HELP, NO_CUDA_KERNELS_HELP
     from memfit.estimate import add_parser as estimate_parser
 
     p = sub.add_parser("budget", help=HEAVY["budget"])
@@ -375,6 +427,8 @@ def _heavy_parsers(sub: argparse._SubParsersAction) -> None:
         help="whose kernels to estimate with (default cpu: what the calibration runs measure)",
     )
     p.add_argument("--no_cuda_kernels", action="store_true", help=NO_CUDA_KERNELS_HELP)
+    p.add_argument("--gpu", help=GPU_HELP)
+    p.add_argument("--measure", action="store_true", help=MEASURE_HELP)
     p.set_defaults(func=_budget)
     p = sub.add_parser("fit", help=HEAVY["fit"])
     p.add_argument("--system", required=True)
@@ -386,6 +440,7 @@ def _heavy_parsers(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help=NO_CUDA_KERNELS_HELP.removeprefix("with --device cuda: "),
     )
+    p.add_argument("--gpu", help=GPU_HELP)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_fit)
     estimate_parser(sub)

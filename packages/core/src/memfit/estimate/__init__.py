@@ -30,9 +30,11 @@ import torch
 from torch import nn
 
 from memfit.errors import UsageError, run_command
-from memfit.estimate import explain
+from memfit.estimate import explain, workspaces
 from memfit.estimate import rules as kernels
-from memfit.estimate.memory import GIB
+from memfit.estimate.cuda_memory import CudaFigures
+from memfit.estimate.fit import MARGIN
+from memfit.estimate.memory import GIB, WORKSPACES
 from memfit.estimate.trace import (  # noqa: F401 - re-exported: the names `memfit.estimate` has always had
     BORN,
     CAT,
@@ -126,11 +128,35 @@ class EstimateResult:
     shard: str = "ddp"
     per_rank_bytes: int | None = None  # at the given batch, when ranks > 1
     extra: list[str] = field(default_factory=list)  # text sections after the main one
-    cuda_kernels: str | None = None  # on --device cuda: the cuda extra's kernels assumed (CudaExtra.describe)
+    cuda_kernels: str | None = (
+        None  # on --device cuda: the cuda extra's kernels the step used (Target.describe)
+    )
+    fits: explain.Fits | None = None  # with what-ifs and a known capacity: does the step fit as it is
 
     @property
     def peak_bytes(self) -> int:
+        """The peak: on --device cuda the allocator peak (``torch.cuda.max_memory_allocated``)."""
         return self.trace.report.peak_bytes
+
+    @property
+    def cuda(self) -> CudaFigures | None:
+        """On --device cuda: the three figures (allocator peak, reserved peak, card total) and their parts."""
+        return self.trace.report.cuda
+
+    @property
+    def allocated_bytes(self) -> int | None:
+        """The CUDA allocator peak (None for a CPU estimate)."""
+        return None if self.cuda is None else self.cuda.allocated
+
+    @property
+    def reserved_bytes(self) -> int | None:
+        """The CUDA caching allocator's reserved peak (None for a CPU estimate)."""
+        return None if self.cuda is None else self.cuda.reserved
+
+    @property
+    def total_bytes(self) -> int | None:
+        """The card total: reserved peak + CUDA context (None for a CPU estimate)."""
+        return None if self.cuda is None else self.cuda.total
 
     @property
     def peak_gib(self) -> float:
@@ -162,6 +188,7 @@ class EstimateResult:
             **({"cuda_kernels": self.cuda_kernels} if self.cuda_kernels else {}),
             "knobs": self.target.knobs,
             "peak_gib": r.peak_gib,
+            **(self._cuda_dict() if self.cuda is not None else {}),
             "params": r.params,
             "by_category_gib": r.category_gib(),
             "top_tensors": [g.to_dict() for g in self.trace.groups()[: self.top]],
@@ -174,7 +201,9 @@ class EstimateResult:
         if self.what_ifs is not None:
             out["what_ifs"] = [w.to_dict(base) for w in self.what_ifs]
             best = explain.recommend(base, self.what_ifs)
-            out["try_first"] = None if best is None else best.name
+            out["try_first"] = None if best is None or self.fits is not None else best.name
+            if self.fits is not None:
+                out["fits"] = self.fits.to_dict()
         if self.scaling is not None:
             out["scaling"] = self.scaling.to_dict()
         if self.per_rank_bytes is not None:
@@ -187,25 +216,35 @@ class EstimateResult:
             out["fit"] = self.fit.to_dict()
         return out
 
+    def _cuda_dict(self) -> dict[str, Any]:
+        c = self.cuda
+        assert c is not None
+        return {
+            "allocated_peak_gib": c.allocated / GIB,
+            "reserved_peak_gib": c.reserved / GIB,
+            "total_gib": c.total / GIB,
+            "cuda": c.to_dict(),
+        }
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     def format(self) -> str:
         r = self.trace.report
-        cats = r.by_category
-        used = (
-            f"CUDA kernels {self.cuda_kernels or ''}".rstrip()
-            if self.target.device == "cuda"
-            else "CPU kernels"
-        )
+        used = "CPU kernels"
+        if self.target.device == "cuda":
+            c = self.cuda
+            used = "CUDA" + (f" kernels {self.cuda_kernels}" if self.cuda_kernels else "")
+            used += f", {c.card.describe()}" if c is not None else ""
+        peak = "allocator peak" if self.cuda is not None else "peak"
         lines = [
             f"memfit estimate {self.target.label}: {self.target.describe}, {used}",
-            f"peak {fmt_bytes(r.peak_bytes)} = params {fmt_bytes(cats.get('params', 0))} + grads "
-            f"{fmt_bytes(cats.get('grads', 0))} + optimizer {fmt_bytes(cats.get('optimizer', 0))} + "
-            f"activations {fmt_bytes(cats.get('activations', 0))}   ({r.params / 1e6:.2f}M parameters)",
-            "",
-            "Largest tensors alive at the peak (activations; x N = one per repeated layer):",
+            f"{peak} {fmt_bytes(r.peak_bytes)} = {split_text(r.by_category)}"
+            f"   ({r.params / 1e6:.2f}M parameters)",
         ]
+        if self.cuda is not None:
+            lines += cuda_lines(self.cuda)
+        lines += ["", "Largest tensors alive at the peak (activations; x N = one per repeated layer):"]
         header = (
             f"  {'op':<22} {'module':<34} {'shape':<24} {'dtype':<5} {'each':>10} {'x N':>5} {'total':>10}"
         )
@@ -223,7 +262,7 @@ class EstimateResult:
             lines.append(f"  {name:<40} {fmt_bytes(nbytes):>10} {100 * nbytes / total:5.1f}%{each}")
         base = self.peak_bytes
         if self.what_ifs is not None:
-            lines += ["", explain.format_what_ifs(base, self.what_ifs)]
+            lines += ["", explain.format_what_ifs(base, self.what_ifs, self.fits)]
         if self.scaling is not None:
             lines += ["", self.scaling.format()]
         if self.per_rank_bytes is not None:
@@ -237,6 +276,34 @@ class EstimateResult:
         return "\n".join(lines)
 
 
+def split_text(cats: dict[str, int]) -> str:
+    """``params A + grads B + optimizer C + activations D [+ workspaces E]``: what is alive at the peak.
+    Gradients exist only from their backward op until the optimizer step clears them, so a peak in the
+    forward holds none: said instead of a bare "0 B"."""
+    grads = cats.get("grads", 0)
+    grads_text = fmt_bytes(grads) if grads else "0 B (none alive at the peak)"
+    text = (
+        f"params {fmt_bytes(cats.get('params', 0))} + grads {grads_text} + optimizer "
+        f"{fmt_bytes(cats.get('optimizer', 0))} + activations {fmt_bytes(cats.get('activations', 0))}"
+    )
+    if WORKSPACES in cats:
+        text += f" + CUDA library workspaces {fmt_bytes(cats[WORKSPACES])}"
+    return text + ", alive at the peak"
+
+
+def cuda_lines(c: CudaFigures) -> list[str]:
+    """The CUDA target's other two figures and what the libraries allocated."""
+    libs = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.libraries.items()) or "none"
+    lines = [
+        f"reserved peak {fmt_bytes(c.reserved)} (the caching allocator's segments: "
+        "torch.cuda.max_memory_reserved)",
+        f"card total {fmt_bytes(c.total)} = reserved + CUDA context {fmt_bytes(c.context)} "
+        f"({c.card.context_note})",
+        f"CUDA libraries: {libs}",
+    ]
+    return lines + [f"note: {n}" for n in c.notes]
+
+
 def estimate(
     target: Target,
     top: int = 10,
@@ -244,7 +311,7 @@ def estimate(
     what_ifs: bool = False,
     scale: str | None = None,
     gpu_gib: float | None = None,
-    margin: float = 0.1,
+    margin: float = MARGIN,
     ranks: int = 1,
     shard: str = "ddp",
     max_batch: int = 4096,
@@ -259,7 +326,7 @@ def estimate(
         raise UsageError("error: --ranks, --top and --max_batch must be at least 1")
     result = EstimateResult(target, trace_target(target), top, ranks=ranks, shard=shard)
     if target.device == "cuda":
-        result.cuda_kernels = kernels.assumed_target().describe()
+        result.cuda_kernels = kernels.assumed_target().describe(result.trace.report.ran)
     if what_ifs:
         result.what_ifs = explain.what_ifs(target, result.trace)
     knob = scale or ("batch" if what_ifs and "batch" in target.knobs else None)
@@ -271,7 +338,28 @@ def estimate(
         result.per_rank_bytes = explain.per_rank_bytes(result.trace, ranks, shard, gather)
     if gpu_gib is not None:
         result.fit = explain.fit_batch(target, gpu_gib, margin, ranks, shard, max_batch, result.trace)
+    if what_ifs and ranks == 1 and (known := capacity(target.device, gpu_gib)) is not None:
+        where, nbytes, device = known
+        result.fits = explain.check_fits(
+            target, result.trace, nbytes, where, device, margin, result.fit, max_batch
+        )
     return result
+
+
+def capacity(device: str, gpu_gib: float | None) -> tuple[str, int, str] | None:
+    """(what, bytes, device type) of the memory a step is judged against when it is known: ``--gpu_gib``,
+    this machine's GPU for a CUDA estimate, the available RAM for a CPU one; None otherwise."""
+    if gpu_gib is not None:
+        return f"a {gpu_gib:g} GiB GPU", int(gpu_gib * GIB), "cuda"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None
+        total = torch.cuda.mem_get_info()[1]
+        return f"this machine's {torch.cuda.get_device_name()} ({fmt_bytes(total)})", total, "cuda"
+    from memfit.estimate.preflight import available_bytes
+
+    have, what = available_bytes(torch.device("cpu"))
+    return None if have is None else (f"this machine's {what} ({fmt_bytes(have)})", have, "cpu")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -290,11 +378,12 @@ def estimate_model(
     explain: bool = False,
     scale: str | None = None,
     gpu_gib: float | None = None,
-    margin: float = 0.1,
+    margin: float = MARGIN,
     ranks: int = 1,
     shard: str = "ddp",
     top: int = 10,
     cuda_kernels: bool | None = None,
+    gpu: str | None = None,
 ) -> EstimateResult:
     """``memfit.estimate(...)``: the training-step memory of a model, from a notebook.
 
@@ -306,8 +395,10 @@ def estimate_model(
     ``device``: "cpu" or "cuda" (the kernels a CUDA run takes); ``explain``: the what-ifs (and the batch
     scaling); ``gpu_gib``: the largest batch under that GPU size; ``ranks`` / ``shard``: per-rank figures.
     ``cuda_kernels`` (device "cuda"): whether the GPU has the ``cuda`` extra's Mamba kernels (None: what
-    this machine's GPU has, or yes without one; ``--no_cuda_kernels`` is False).
-    The result's ``to_dict()`` is what ``memfit estimate --json`` prints.
+    this machine's GPU has, or yes without one; ``--no_cuda_kernels`` is False). ``gpu`` (device "cuda"):
+    the card, as ``--gpu`` takes it ("h100", "a100", "8.6"; None: this machine's GPU, else an H200).
+    The result's ``to_dict()`` is what ``memfit estimate --json`` prints; on CUDA its three figures are
+    ``allocated_bytes`` (the allocator peak, also ``peak_bytes``), ``reserved_bytes`` and ``total_bytes``.
     """
     if isinstance(model, nn.Module):
         instance = model
@@ -339,7 +430,11 @@ def estimate_model(
         )
     target = make_target(factory, label, texts, dtype, loss, amp_name)
     target.device = _device(device)
-    with kernels.assume_kernels(cuda_kernels_assumed(target.device, cuda_kernels)):
+    card = gpu_card(target.device, gpu)
+    with (
+        kernels.assume_kernels(cuda_kernels_assumed(target.device, cuda_kernels)),
+        workspaces.assume_card(card),
+    ):
         return estimate(
             target,
             top,
@@ -360,6 +455,15 @@ def cuda_kernels_assumed(device: str, cuda_kernels: bool | None) -> frozenset[st
     if cuda_kernels is False:
         return frozenset()
     return registry.kernels_assumed_here() if device == "cuda" else registry.extra_kernels()
+
+
+def gpu_card(device: str, gpu: str | None) -> workspaces.Card | None:
+    """The card ``--gpu`` names (None: the default, ``workspaces.card()``); refused for a CPU estimate."""
+    if gpu is None:
+        return None
+    if device != "cuda":
+        raise UsageError("error: --gpu names the card of a CUDA estimate: give --device cuda (or --gpu_gib)")
+    return workspaces.card(gpu)
 
 
 def _device(name: str) -> str:
@@ -383,6 +487,14 @@ sys.modules[__name__].__class__ = _CallableModule
 # ----------------------------------------------------------------------------------------------------
 
 
+GPU_HELP = (
+    "the card a CUDA estimate is for, by name (h100, h200, a100, l4, ...) or compute capability (9.0, "
+    "sm86): it sets the cuBLAS workspace size; default this machine's GPU, else h200"
+)
+MEASURE_HELP = (
+    "on a machine with a GPU: also run the real steps there and print estimate and measurement side by "
+    "side (allocated, reserved, total, by category)"
+)
 NO_CUDA_KERNELS_HELP = (
     "with --device cuda: a GPU without the cuda extra's mamba_ssm and causal-conv1d (the Mamba torch-op "
     "path); default: what this machine's GPU has, or the extra installed when there is no GPU"
@@ -432,7 +544,15 @@ def add_parser(sub) -> None:
     p.add_argument("--explain", action="store_true", help="what-ifs: SDPA, bf16, checkpointing, half batch")
     p.add_argument("--scale", help="fit the activation exponent over 1x-4x of: batch, input:AXIS, or a knob")
     p.add_argument("--gpu_gib", type=float, help="largest batch that fits a GPU of this many GiB")
-    p.add_argument("--margin", type=float, default=0.1, help="allocator margin for --gpu_gib (0.1 = 10%%)")
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=MARGIN,
+        help="the share of --gpu_gib kept free (default %(default)g: the one margin memfit fit and the train "
+        "pre-flight keep too)",
+    )
+    p.add_argument("--gpu", help=GPU_HELP)
+    p.add_argument("--measure", action="store_true", help=MEASURE_HELP)
     p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks: the per-rank peak (and fit)")
     p.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="how ranks hold the state")
     p.add_argument("--max_batch", type=int, default=4096)
@@ -446,10 +566,19 @@ def main(args) -> int:
 
 
 def _main(args) -> int:
-    device = _device(args.device or ("cuda" if args.gpu_gib is not None else "cpu"))
+    if args.measure:
+        from memfit.estimate.measure import require_gpu
+
+        require_gpu()
+        if args.device == "cpu":
+            raise UsageError("error: --measure compares a CUDA estimate with the GPU: drop --device cpu")
+    cuda_default = args.gpu_gib is not None or args.measure
+    device = _device(args.device or ("cuda" if cuda_default else "cpu"))
+    card = gpu_card(device, args.gpu)
     target = load_target(args.target, args.input, args.dtype, args.loss_target, args.amp)
     target.device = device
-    with kernels.assume_kernels(cuda_kernels_assumed(device, False if args.no_cuda_kernels else None)):
+    assumed = cuda_kernels_assumed(device, False if args.no_cuda_kernels else None)
+    with kernels.assume_kernels(assumed), workspaces.assume_card(card):
         result = estimate(
             target,
             args.top,
@@ -463,9 +592,21 @@ def _main(args) -> int:
         )
     fit = result.fit
     if fit is not None and fit.batch == 0:
+        needs = "of the card (reserved + CUDA context)" if fit.cuda else "per rank"
         raise UsageError(
             f"error: nothing fits {args.gpu_gib:g} GiB ({100 * args.margin:g}% margin): batch 1 needs "
-            f"{fmt_bytes(fit.peak_bytes)} per rank; try --explain for what would shrink it"
+            f"{fmt_bytes(fit.peak_bytes)} {needs}; try --explain for what would shrink it"
         )
+    if args.measure:
+        from memfit.estimate.measure import estimate_measure, format_rows
+
+        row = estimate_measure(
+            target.step(), target.label, args.json, False if args.no_cuda_kernels else None
+        )
+        if args.json:
+            print(json.dumps({**result.to_dict(), "measure": row}, indent=2))
+        else:
+            print(result.format() + "\n\n" + format_rows([row]))
+        return 0
     print(result.to_json() if args.json else result.format())
     return 0

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memfit.errors import UsageError
-from memfit.estimate.fit import largest_batch
+from memfit.estimate.fit import MARGIN, largest_batch, needed_bytes, usable_bytes
 from memfit.estimate.memory import GIB, TrainStep
 from memfit.estimate.trace import (
     BORN,
@@ -251,7 +251,7 @@ def recommend(base: int, rows: list[WhatIf]) -> WhatIf | None:
     return max(useful, key=lambda w: w.saving(base), default=None)
 
 
-def format_what_ifs(base: int, rows: list[WhatIf]) -> str:
+def format_what_ifs(base: int, rows: list[WhatIf], fits: Fits | None = None) -> str:
     lines = ["What-ifs (the same step re-estimated; largest saving first):"]
     lines.append(f"  {'what-if':<34} {'peak':>10} {'saving':>10} {'':>6}  note")
     ordered = sorted(rows, key=lambda w: (w.peak_bytes is None, -w.saving(base)))
@@ -265,7 +265,9 @@ def format_what_ifs(base: int, rows: list[WhatIf]) -> str:
                 f"{pct:5.1f}%  {w.note}"
             )
     best = recommend(base, rows)
-    if best is not None:
+    if fits is not None and fits.fits:  # nothing needs cutting
+        lines.append(f"The step {fits.format()}")
+    elif best is not None:
         lines.append(
             f"Try first: {best.name} (-{fmt_bytes(best.saving(base))}, peak {fmt_bytes(best.peak_bytes)})"
         )
@@ -451,9 +453,10 @@ class BatchFit:
     ranks: int
     shard: str
     batch: int
-    peak_bytes: int  # per rank at `batch` (at batch 1 when nothing fits)
+    peak_bytes: int  # what one rank needs at `batch` (at batch 1 when nothing fits): a CUDA card total
     next_bytes: int | None
     probes: int
+    cuda: bool = False  # the figures are a CUDA estimate's card totals
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -463,25 +466,41 @@ class BatchFit:
         return out
 
     def format(self) -> str:
-        usable = self.gpu_gib * (1 - self.margin)
-        where = f"{self.gpu_gib:g} GiB GPU ({100 * self.margin:g}% allocator margin: {usable:.2f} GiB usable)"
+        usable = usable_bytes(self.gpu_gib, self.margin)
+        what = "the card total" if self.cuda else "the peak"
+        where = (
+            f"{self.gpu_gib:g} GiB GPU ({100 * self.margin:g}% margin: {usable:.2f} GiB usable for {what})"
+        )
         if self.ranks > 1:
             where += f" x {self.ranks} ranks ({self.shard}, per rank)"
         nxt = ""
         if self.next_bytes is not None:
             nxt = f"; batch {self.batch + 1} needs {fmt_bytes(self.next_bytes)}"
-        return f"Largest batch that fits a {where}: {self.batch} ({fmt_bytes(self.peak_bytes)}{nxt})"
+        needs = f"{what} {fmt_bytes(self.peak_bytes)}" if self.cuda else fmt_bytes(self.peak_bytes)
+        return f"Largest batch that fits a {where}: {self.batch} ({needs}{nxt})"
+
+
+def rank_needs(trace: Trace, ranks: int, shard: str, gather: int = 0, device: str = "cuda") -> int:
+    """What one rank needs of its device (the margin rule's ``fit.needed_bytes``): its peak
+    (``per_rank_bytes``) plus what ``needed_bytes`` adds to the peak (a CUDA estimate's reserved segments
+    and CUDA context; on the CPU malloc's overhead)."""
+    report = trace.report
+    return per_rank_bytes(trace, ranks, shard, gather) + needed_bytes(report, device) - report.peak_bytes
 
 
 def fit_batch(
     target: Target,
     gpu_gib: float,
-    margin: float = 0.1,
+    margin: float = MARGIN,
     ranks: int = 1,
     shard: str = "ddp",
     max_batch: int = 4096,
     base_trace: Trace | None = None,
+    device: str = "cuda",
 ) -> BatchFit:
+    """The largest batch whose step fits a GPU of ``gpu_gib`` under the margin rule (``memfit.estimate.fit``):
+    a CUDA estimate's card total per rank, a CPU estimate's peak (``device="cpu"``: ``gpu_gib`` is the
+    CPU's memory, and the step needs its tensors times ``fit.CPU_OVERHEAD``)."""
     if "batch" not in target.knobs:
         raise UsageError(
             "error: --gpu_gib needs a batch knob: give your function a `batch` keyword argument, "
@@ -490,10 +509,66 @@ def fit_batch(
     gather = fsdp_gathered_bytes(target.step()) if shard == "fsdp" and ranks > 1 else 0
     base_b = target.knobs["batch"]
 
-    def peak_gib(b: int) -> float:
+    def needs_gib(b: int) -> float:
         t = base_trace if (b == base_b and base_trace is not None) else trace_target(target, batch=b)
-        return per_rank_bytes(t, ranks, shard, gather) / GIB
+        return rank_needs(t, ranks, shard, gather, device) / GIB
 
-    b, gib, nxt, probes = largest_batch(peak_gib, gpu_gib * (1 - margin), max_batch)
+    b, gib, nxt, probes = largest_batch(needs_gib, usable_bytes(gpu_gib, margin), max_batch)
     nxt_bytes = None if nxt is None else round(nxt * GIB)
-    return BatchFit(gpu_gib, margin, ranks, shard, b, round(gib * GIB), nxt_bytes, probes)
+    cuda = target.device == "cuda"
+    return BatchFit(gpu_gib, margin, ranks, shard, b, round(gib * GIB), nxt_bytes, probes, cuda)
+
+
+@dataclass
+class Fits:
+    """Whether the step as given fits a device whose memory is known (``--gpu_gib``, this machine's GPU
+    for a CUDA estimate, its available RAM for a CPU one), and the largest batch that does."""
+
+    where: str  # "a 24 GiB GPU", "this machine's available RAM (22.3 GiB)"
+    needed_bytes: int
+    usable_bytes: int
+    batch: int | None  # the largest batch that fits (None: the step has no batch knob)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes <= self.usable_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "where": self.where,
+            "fits": self.fits,
+            "needed_gib": self.needed_bytes / GIB,
+            "usable_gib": self.usable_bytes / GIB,
+            "largest_batch": self.batch,
+        }
+
+    def format(self) -> str:
+        batch = f"largest batch {self.batch}" if self.batch is not None else "no batch knob to grow"
+        return (
+            f"fits; {batch} (needs {fmt_bytes(self.needed_bytes)} of {fmt_bytes(self.usable_bytes)} "
+            f"usable on {self.where})"
+        )
+
+
+def check_fits(
+    target: Target,
+    trace: Trace,
+    capacity: int,
+    where: str,
+    device: str,
+    margin: float = MARGIN,
+    fit: BatchFit | None = None,
+    max_batch: int = 4096,
+) -> Fits:
+    """The margin rule on the step as given; when it fits, the largest batch (``fit``'s when the caller
+    already searched, else a search here)."""
+    needed = needed_bytes(trace.report, device)
+    usable = int(usable_bytes(capacity, margin))
+    batch = None
+    if needed <= usable and "batch" in target.knobs:
+        if fit is None:
+            fit = fit_batch(
+                target, capacity / GIB, margin, max_batch=max_batch, base_trace=trace, device=device
+            )
+        batch = fit.batch
+    return Fits(where, needed, usable, batch)

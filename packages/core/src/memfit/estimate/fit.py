@@ -1,11 +1,57 @@
-"""The fit finder: the largest batch of a system that fits a GPU, and whether checkpointing is needed."""
+"""Whether a step fits its device (one rule for every command), and the fit finder: the largest batch of a
+system that fits a GPU, and whether checkpointing is needed.
+
+**The margin rule.** A step fits a device when what it needs of the device (``needed_bytes``) is at most
+``usable_bytes(capacity)`` = capacity x (1 - ``MARGIN``). ``memfit fit``, ``memfit estimate --gpu_gib``
+(``--margin`` overrides the fraction there), the what-ifs' "fits" and the memory pre-flight of every
+``train`` all decide with these two functions. What a step needs:
+
+* on CUDA, the **card total** of the CUDA target's estimate: the caching allocator's reserved peak plus
+  the CUDA context (``memfit.estimate.cuda_memory``); capacity is the GPU's memory (``--gpu_gib``), or in
+  the pre-flight what the card has for this process (free + what the process holds + its context);
+* on the CPU, the tensors' peak times ``CPU_OVERHEAD`` (malloc's heap: fragmentation and freed memory it
+  keeps); capacity is the least of available RAM, the cgroup's limit and ``ulimit -v``.
+
+The 10% margin covers what the estimate cannot see: on a GPU its remaining error (the allocator peak
+within 2% and the reserved peak within 5% of a real H200 step, cuDNN's convolution workspaces that are
+not modelled) and the CUDA context's growth as kernels load lazily (+110-240 MiB after a few steps on
+an H200); on a shared machine the memory other processes take while the step runs (a pre-flight that
+passed a step needing 22.17 of 22.33 GiB available reached 15.8 GB RSS and stalled).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memfit.estimate.memory import GIB, estimate_training_step
+from memfit.estimate.memory import GIB, MemoryReport, estimate_training_step
+
+#: The one margin: a step may plan on (1 - MARGIN) of what its device has.
+MARGIN = 0.10
+
+#: Process memory per byte of tensors on the CPU: a step's peak RSS grew by 1.1-1.5x its tensors with
+#: malloc's defaults and 1.3-1.9x with the Trainer's keep_freed_memory (heap fragmentation), measured on
+#: the four systems by `uv run python tools/preflight_overhead.py`.
+CPU_OVERHEAD = 2.0
+
+
+def usable_bytes(capacity: float, margin: float = MARGIN) -> float:
+    """What a step may plan to use of a device that has ``capacity`` bytes: capacity x (1 - margin)."""
+    return capacity * (1 - margin)
+
+
+def needed_bytes(report: MemoryReport, device: str) -> int:
+    """What a step needs of its device (see the module docstring): the card total of a CUDA estimate, the
+    CPU tensors' peak times CPU_OVERHEAD; a CUDA estimate without its figures (none traced) falls back to
+    its peak."""
+    if device == "cuda":
+        return report.cuda.total if report.cuda is not None else report.peak_bytes
+    return int(report.peak_bytes * CPU_OVERHEAD)
+
+
+def fits(report: MemoryReport, device: str, capacity: float, margin: float = MARGIN) -> bool:
+    """The margin rule: the step's needed bytes within the usable part of the device's capacity."""
+    return needed_bytes(report, device) <= usable_bytes(capacity, margin)
 
 
 @dataclass
@@ -13,9 +59,11 @@ class FitResult:
     variant: str
     checkpointing: bool
     batch: int  # 0 when not even batch 1 fits
-    estimated_gib: float  # at `batch` (or at batch 1 when nothing fits)
+    estimated_gib: float  # the card total at `batch` (or at batch 1 when nothing fits)
     next_gib: float | None  # at the first batch that did not fit (None if the search cap was reached)
     probes: int
+    allocated_gib: float = 0.0  # the allocator peak at `batch`
+    reserved_gib: float = 0.0  # the reserved peak at `batch`
 
 
 def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch: int = 4096) -> tuple:
@@ -70,21 +118,27 @@ def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch:
 def fit_system(budgets, gpu_gib: float, max_batch: int = 4096, variants: list[str] | None = None):
     """For every budgeted variant (a system's ``budgets()``, ``memfit.system.BudgetEntry``) that can be
     rebuilt at other batch sizes: the largest batch without checkpointing and, when checkpointing helps,
-    with it; estimated for a CUDA run (its attention kernels, autocast policy and allocator rounding:
-    memfit.estimate.rules), since the memory is a GPU's."""
+    with it, whose card total fits the GPU under the margin rule; estimated for a CUDA run (its kernels,
+    libraries and caching allocator: memfit.estimate.rules, workspaces, cuda_memory)."""
     results = []
+    limit = usable_bytes(gpu_gib * GIB) / GIB
     for entry in budgets:
         if entry.is_baseline or entry.make_step is None:
             continue
         if variants and entry.variant not in variants:
             continue
         for ckpt in (False, True):
+            reports: dict[int, MemoryReport] = {}
 
-            def peak_gib(bs: int, ckpt: bool = ckpt, e=entry) -> float:
-                return estimate_training_step(e.make_step(bs, ckpt), device="cuda").peak_bytes / GIB
+            def total_gib(bs: int, ckpt: bool = ckpt, e=entry, reports=reports) -> float:
+                reports[bs] = estimate_training_step(e.make_step(bs, ckpt), device="cuda")
+                return needed_bytes(reports[bs], "cuda") / GIB
 
-            b, gib, nxt, probes = largest_batch(peak_gib, gpu_gib, max_batch)
-            results.append(FitResult(entry.variant, ckpt, b, gib, nxt, probes))
+            b, gib, nxt, probes = largest_batch(total_gib, limit, max_batch)
+            at = reports[max(b, 1)]
+            alloc = at.peak_bytes / GIB
+            reserved = at.cuda.reserved / GIB if at.cuda is not None else alloc
+            results.append(FitResult(entry.variant, ckpt, b, gib, nxt, probes, alloc, reserved))
     return results
 
 
@@ -95,22 +149,30 @@ def nothing_fits(system: str, gpu_gib: float, results: list[FitResult]) -> str |
     best = min(results, key=lambda r: r.estimated_gib)
     ckpt = " with checkpointing" if best.checkpointing else ""
     return (
-        f"error: nothing fits {gpu_gib:g} GiB: the smallest {system} step, {best.variant}{ckpt} at batch 1, "
-        f"needs {best.estimated_gib:.2f} GiB; give a larger --gpu_gib"
+        f"error: nothing fits {gpu_gib:g} GiB ({100 * MARGIN:g}% margin): the smallest {system} step, "
+        f"{best.variant}{ckpt} at batch 1, needs {best.estimated_gib:.2f} GiB of the card (reserved + CUDA "
+        "context); give a larger --gpu_gib"
     )
 
 
 def format_fit(system: str, gpu_gib: float, results: list[FitResult], kernels: str) -> str:
     """The fit table; ``kernels``: how the estimates' CUDA kernels are named (``CudaExtra.describe``)."""
+    usable = usable_bytes(gpu_gib * GIB) / GIB
     lines = [
-        f"{system}: the largest batch whose training step (estimated for CUDA, {kernels}) "
-        f"fits {gpu_gib:g} GiB"
+        f"{system}: the largest batch whose training step (estimated for CUDA, {kernels}) fits {gpu_gib:g} "
+        f"GiB ({100 * MARGIN:g}% margin: {usable:.2f} GiB for the card total = reserved peak + CUDA context)"
     ]
-    lines.append(f"{'variant':<14} {'checkpointing':<13} {'batch':>6} {'peak GiB':>9} {'next GiB':>9}")
+    lines.append(
+        f"{'variant':<14} {'checkpointing':<13} {'batch':>6} {'allocated':>9} {'reserved':>9} "
+        f"{'total GiB':>9} {'next GiB':>9}"
+    )
     for r in results:
         nxt = "-" if r.next_gib is None else f"{r.next_gib:.2f}"
         ckpt = "yes" if r.checkpointing else "no"
-        lines.append(f"{r.variant:<14} {ckpt:<13} {r.batch:>6} {r.estimated_gib:>9.2f} {nxt:>9}")
+        lines.append(
+            f"{r.variant:<14} {ckpt:<13} {r.batch:>6} {r.allocated_gib:>9.2f} {r.reserved_gib:>9.2f} "
+            f"{r.estimated_gib:>9.2f} {nxt:>9}"
+        )
     by_variant: dict[str, dict[bool, FitResult]] = {}
     for r in results:
         by_variant.setdefault(r.variant, {})[r.checkpointing] = r

@@ -36,12 +36,16 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
+from memfit.estimate import cuda_memory, workspaces
 from memfit.estimate import rules as kernels
+from memfit.estimate.cuda_memory import CudaFigures
+from memfit.ops import registry
 
 GIB = 1024**3
 MIB = 1024**2
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
+WORKSPACES = "workspaces"  # the CUDA target's fifth category: what the CUDA libraries allocate
 AMP_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 
@@ -89,6 +93,10 @@ class MemoryReport:
     by_module: dict[str, int] = field(default_factory=dict)
     params: int = 0
     method: str = ""
+    # the CUDA target: the allocator peak (= peak_bytes), the reserved peak and the card total
+    cuda: CudaFigures | None = None
+    # an estimate: the implementations its op sites chose ({(op, implementation): calls}, registry.traced)
+    ran: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def peak_gib(self) -> float:
@@ -99,16 +107,21 @@ class MemoryReport:
         return self.peak_bytes / MIB
 
     def category_gib(self) -> dict[str, float]:
-        return {k: self.by_category.get(k, 0) / GIB for k in CATEGORIES}
+        """GiB per category at the peak; the CUDA target adds "workspaces" (the CUDA libraries')."""
+        extra = (WORKSPACES,) if WORKSPACES in self.by_category else ()
+        return {k: self.by_category.get(k, 0) / GIB for k in CATEGORIES + extra}
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "peak_gib": self.peak_gib,
             "params": self.params,
             "method": self.method,
             "by_category": self.category_gib(),
             "by_module": {k: v / GIB for k, v in self.by_module.items()},
         }
+        if self.cuda is not None:
+            out["cuda"] = self.cuda.to_dict()
+        return out
 
     def format(self) -> str:
         cats = ", ".join(f"{k} {v:.3f}" for k, v in self.category_gib().items())
@@ -143,6 +156,21 @@ class _StorageTracker(TorchDispatchMode):
         self.peak_by_category = dict(self.by_category)
         self.fake_mode: FakeTensorMode | None = None
         self._entries: dict[int, _Ref] = {}  # id(storage) -> a weak reference holding its entry
+        # the CUDA target (``cuda_target``): the libraries' extra allocations, decided op by op, and every
+        # allocation and free in order, which the caching-allocator simulation replays
+        self.libraries: workspaces.CudaLibraries | None = None
+        self.events: list[tuple] | None = None
+
+    seq = 0  # a sequence number of allocations and frees (the trace's; 0 here)
+
+    def cuda_target(self, libraries: workspaces.CudaLibraries) -> None:
+        """Record what a CUDA run allocates: storages in the caching allocator's 512-byte blocks, the CUDA
+        libraries' workspaces (category "workspaces"), and the order of every allocation and free."""
+        self.block = kernels.cuda_block_bytes
+        self.libraries = libraries
+        self.events = []
+        self.by_category.setdefault(WORKSPACES, 0)
+        self.peak_by_category.setdefault(WORKSPACES, 0)
 
     def _storage(self, t: torch.Tensor):
         cls = type(t)
@@ -182,12 +210,33 @@ class _StorageTracker(TorchDispatchMode):
         """Count a storage not tracked yet, until it is freed (a weak reference's callback)."""
         entry = self._new_entry(st, t, category)
         self._entries[id(st)] = _Ref(st, self._dead, entry)
+        self._count(entry)
+
+    def _count(self, entry: list) -> None:
         self.live += entry[0]
         self.by_category[entry[1]] += entry[0]
+        if self.events is not None:  # the entry itself rides along: the simulation reads its category
+            self.events.append(("alloc", id(entry), entry[0], entry, self.seq))
         if self.live > self.peak:
             self.peak = self.live
             self.peak_by_category = dict(self.by_category)
             self._on_peak()
+
+    def _library_extras(self, func, args, kwargs, out) -> None:
+        """The CUDA libraries' allocations for this op (a workspace kept for good, or transient ones
+        freed again as the op returns), counted as storages of category "workspaces"."""
+        extras = self.libraries.after_op(func, args, kwargs, out, self.phase == "backward")
+        transient = []
+        for x in extras:
+            entry = self._extra_entry(x)
+            self._count(entry)
+            if x.transient:
+                transient.append(entry)
+        for entry in reversed(transient):
+            self._free(entry)
+
+    def _extra_entry(self, x: workspaces.Extra) -> list:
+        return [x.nbytes, WORKSPACES]
 
     def _dead(self, ref: _Ref) -> None:
         del self._entries[ref.key]
@@ -248,6 +297,8 @@ class _StorageTracker(TorchDispatchMode):
     def _free(self, entry: list) -> None:
         self.live -= entry[0]
         self.by_category[entry[1]] -= entry[0]
+        if self.events is not None:
+            self.events.append(("free", id(entry)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _PRIM_DEVICE or id(func) in _QUERY_IDS:  # no tensor made; 2/3 of a step's calls
@@ -262,11 +313,15 @@ class _StorageTracker(TorchDispatchMode):
                     st = t.untyped_storage()
                     if id(st) not in self._entries:
                         self._add(st, t, self.category)
+                if self.libraries is not None:
+                    self._library_extras(func, args, kwargs, out)
                 return out
         else:
             out = func(*args, **(kwargs or {}))
         outs = _tensors(out)
         if not outs:
+            if self.libraries is not None:
+                self._library_extras(func, args, kwargs, out)
             return out
         # A view (or in-place result) shares an input's storage: nothing new was allocated, even when that
         # input was made before the tracker started and so is not counted.
@@ -278,6 +333,8 @@ class _StorageTracker(TorchDispatchMode):
             st = self._storage(t)
             if st is not None and id(st) not in shared:
                 self.track(t)
+        if self.libraries is not None:
+            self._library_extras(func, args, kwargs, out)
         return out
 
 
@@ -895,14 +952,26 @@ def estimate_training_step(
         raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
     cuda = device == "cuda"
     tracker = tracker or _StorageTracker(fake=True)
+    card = workspaces.assumed_card()
     if cuda:
-        tracker.block = kernels.cuda_block_bytes
+        tracker.cuda_target(workspaces.CudaLibraries(card))
     rules = kernels.cuda_rules() if cuda else contextlib.nullcontext()
+    before = registry.traced()
     with fake_mode(), _old_objects_frozen(), rules:
         report = _tracked_steps(
             step, steps, fake=True, device=torch.device("cpu"), tracker=tracker, prime=prime
         )
-    extra = f", CUDA kernels {kernels.assumed_target().describe()}" if cuda else ""
+    report.ran = {k: n - before.get(k, 0) for k, n in registry.traced().items() if n > before.get(k, 0)}
+    extra = ""
+    if cuda:
+        used = kernels.assumed_target().describe(report.ran)
+        extra = f", CUDA{' kernels ' + used if used else ''}, {card.describe()}"
+        assert tracker.events is not None and tracker.libraries is not None
+        figs = cuda_memory.figures(tracker.events, card, tracker.libraries.summary(), report.peak_bytes)
+        tracker.events = None  # the entries it holds are no longer needed
+        report.cuda = figs
+        report.peak_bytes = figs.allocated
+        report.by_category = figs.by_category
     report.method = f"estimated (FakeTensorMode on CPU{extra})"
     return report
 

@@ -2,8 +2,11 @@
 
 A run that will not fit its device is refused at once, in one line that names the batch that does fit,
 instead of failing minutes (or hours) later with an allocator traceback. The estimate is memfit's own
-(``memory.estimate_training_step``: the real step on fake tensors, no memory and no compute); the memory
-available is the GPU's free memory on CUDA, and on the CPU the least of the kernel's MemAvailable, the
+(``memory.estimate_training_step``: the real step on fake tensors, no memory and no compute), judged by
+the margin rule every command shares (``memfit.estimate.fit``: ``needed_bytes`` within ``usable_bytes``
+of what the device has). On CUDA the step needs its card total (reserved peak + CUDA context) of what the
+card has for this process: its free memory plus what the process already holds (reserved, and its own
+context); on the CPU its tensors times ``fit.CPU_OVERHEAD`` of the least of the kernel's MemAvailable, the
 cgroup's limit and the process's address-space limit. `train --no_preflight` skips it.
 """
 
@@ -21,14 +24,10 @@ import torch
 
 from memfit.errors import UsageError, first_line
 from memfit.estimate import rules as kernels
+from memfit.estimate import workspaces
+from memfit.estimate.fit import MARGIN, needed_bytes, usable_bytes
 from memfit.estimate.memory import GIB, TrainStep, estimate_training_step
 from memfit.ops import registry
-
-# What the process needs per byte of tensors the estimate counts. On the CPU a step's peak RSS grew by
-# 1.1-1.5x its tensors with malloc's defaults and 1.3-1.9x with the Trainer's keep_freed_memory (heap
-# fragmentation), measured on the four systems by `uv run python tools/preflight_overhead.py`; on CUDA the
-# caching allocator rounds and fragments (the margin `memfit fit` leaves).
-OVERHEAD = {"cpu": 2.0, "cuda": 1.15}
 
 MemoryStep = Callable[[int, bool], TrainStep]  # (batch size, activation checkpointing) -> the step
 
@@ -71,10 +70,13 @@ def _address_space_available() -> int | None:
 
 
 def available_bytes(device: torch.device) -> tuple[int | None, str]:
-    """(bytes a training step may use on device, what they are), None where nothing can be told."""
+    """(bytes the device has for this process's training step, what they are), None where nothing can be
+    told. On CUDA: free memory, plus what this process holds already (its reserved memory, and its CUDA
+    context, which the step's card total counts: the measured constant of ``workspaces.Card``)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device), f"{device} free memory"
+        own = torch.cuda.memory_reserved(device) + workspaces.card_of_device(device).context_bytes
+        return free + own, f"{device}'s free memory + this process's"
     found = {
         "available RAM": _meminfo_available(),
         "the cgroup's memory limit": _cgroup_available(),
@@ -95,7 +97,13 @@ class Preflight:
     seconds: float  # time the estimates took
 
     def line(self) -> str:
-        have = "" if self.available is None else f" of {self.available / GIB:.2f} GiB ({self.what})"
+        have = ""
+        if self.available is not None:
+            usable = usable_bytes(self.available) / GIB
+            have = (
+                f" of {usable:.2f} GiB usable ({100 * MARGIN:g}% margin on {self.available / GIB:.2f} GiB, "
+                f"{self.what})"
+            )
         return (
             f"[memfit] memory pre-flight: a training step needs ~{self.needed / GIB:.2f} GiB{have} "
             f"(estimated in {self.seconds:.1f} s)"
@@ -103,13 +111,15 @@ class Preflight:
 
 
 def _needs(make: MemoryStep, batch: int, checkpointing: bool, device: torch.device) -> int:
-    """Bytes the process needs for a step: the estimated tensor peak times the device's OVERHEAD."""
+    """Bytes the process needs of the device for a step (``fit.needed_bytes``): the card total of the
+    CUDA target's estimate for this GPU, or the CPU tensors times ``fit.CPU_OVERHEAD``."""
     target = "cuda" if device.type == "cuda" else "cpu"  # the kernels (and allocator) the run will use
     # on CUDA the Mamba kernels this GPU has: without mamba_ssm the torch-op scan needs 2-3x the memory
     assumed = registry.kernels_on(device) if target == "cuda" else kernels.assumed_target().kernels
-    with kernels.assume_kernels(assumed):
-        tensors = estimate_training_step(make(batch, checkpointing), device=target).peak_bytes
-    return int(tensors * OVERHEAD.get(device.type, OVERHEAD["cuda"]))
+    card = workspaces.card_of_device(device) if target == "cuda" else None
+    with kernels.assume_kernels(assumed), workspaces.assume_card(card):
+        report = estimate_training_step(make(batch, checkpointing), device=target)
+    return needed_bytes(report, target)
 
 
 def largest_fitting_batch(
@@ -145,9 +155,9 @@ def preflight(
         return None
     available, what = available_bytes(device)
     result = Preflight(needed, available, what, time.perf_counter() - t0)
-    if available is None or needed <= available:
+    if available is None or needed <= usable_bytes(available):
         return result
-    limit = available
+    limit = int(usable_bytes(available))
     fits = largest_fitting_batch(make, batch, needed, limit, bool(checkpointing), device)
     hints = [f"{flag} {fits} fits"] if fits else []
     if checkpointing is False and _needs(make, batch, True, device) <= limit:
@@ -155,5 +165,6 @@ def preflight(
     fix = " or ".join(hints) if hints else f"not even {flag} 1 fits: choose a smaller --config"
     raise UsageError(
         f"error: a training step needs ~{needed / GIB:.2f} GiB at {flag} {batch}, and the {device.type} "
-        f"has {available / GIB:.2f} GiB ({what}); {fix} (memfit's estimate; --no_preflight skips it)"
+        f"has {available / GIB:.2f} GiB ({what}; {limit / GIB:.2f} GiB usable with the {100 * MARGIN:g}% "
+        f"margin); {fix} (memfit's estimate; --no_preflight skips it)"
     )

@@ -22,17 +22,24 @@ make that differ from a real run:
   - autocast follows CUDA's policy: the ops CUDA autocast runs in fp32 (layer_norm, group_norm, softmax,
     log_softmax, exp, pow, sum, cumsum, the losses, ...; ``CUDA_FP32_OPS``) get fp32 inputs, where CPU
     autocast would leave them in bf16/fp16.
-  - every allocation is rounded as the caching allocator rounds it: up to a multiple of 512 bytes.
+  - an optimizer given neither ``foreach`` nor ``fused`` takes its foreach implementation, as it does on
+    CUDA tensors (``torch.optim.optimizer._default_to_fused_or_foreach``).
+  - ``F.dropout`` takes CUDA's fused kernel (``native_dropout``: a bool mask kept for backward), where the
+    CPU path keeps a noise tensor of the input's dtype (``_dropout``): eager attention's dropout over
+    (batch, heads, L, L) probabilities was counted twice over (Hugging Face GPT-2, eager attention, batch
+    8 x 1024, bf16: 21985 MiB estimated against 20755 measured on an H200; 20717 with this rule).
+  - every allocation is rounded as the caching allocator rounds it: up to a multiple of 512 bytes; the
+    CUDA libraries' workspaces (``memfit.estimate.workspaces``) are added op by op, and the caching
+    allocator is simulated over the step (``memfit.estimate.allocator``, ``cuda_memory``).
   - the Mamba scan and conv take the kernels the run will have (``assumed_target``): with the ``cuda`` extra's
     mamba_ssm / causal-conv1d (the default; on a GPU machine, what their probes say) the fused CPU
     kernels' fake ops stand in for them (both save their inputs and recompute); without, the torch-op path
     a GPU run then takes (``memfit.ops.scan``'s chunked scan holds several (batch, chunk, N, dim) buffers:
     mbsnet-speech's chunked-200f step needs 1.01 GiB instead of 0.43).
 
-  Not modelled (the ``--margin`` covers them): cuBLAS/cuDNN workspaces, the allocator's fragmentation and
-  cached-but-free blocks, the CUDA context, kernels' internal temporaries (embedding backward's sort), and
-  cuDNN's RNN reserve, whose size only cuDNN knows at run time (the oneDNN workspace, which stores the
-  same per-step gates and states, stands in for it).
+  Not modelled (the margin, ``memfit.estimate.fit.MARGIN``, covers them): cuDNN's convolution workspaces,
+  kernels' internal temporaries (embedding backward's sort), and cuDNN's RNN reserve and workspaces (the
+  oneDNN workspace, which stores the same per-step gates and states, stands in for the reserve).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
+from memfit.estimate import workspaces
 from memfit.ops import registry
 
 PAGE = 4096  # oneDNN page-aligns each part of an RNN workspace
@@ -206,13 +214,105 @@ def assumed_target() -> registry.Target:
     return registry.Target("cuda", registry.extra_kernels() if kernels is None else kernels)
 
 
+def _dropout(func, args, kwargs):
+    """Dropout as a CUDA run executes it. ``at::dropout`` (aten/src/ATen/native/Dropout.cpp) takes the
+    fused kernel, ``native_dropout``, only where ``is_fused_kernel_acceptable``: a CUDA (XPU, lazy,
+    privateuse1) input, 0 < p < 1, non-empty. The fused kernel keeps a bool mask for backward (1 byte per
+    element); the CPU path (``_dropout<false>``) keeps a noise tensor of the input's dtype (2 or 4 bytes per
+    element: bf16 attention probabilities' dropout kept twice the bytes a CUDA run keeps). In-place dropout
+    (``dropout_``) has no fused kernel on either device."""
+    names = ("input", "p", "training" if func is F.dropout else "train", "inplace")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    x, p = bound.get("input"), bound.get("p", 0.5)
+    train = bound.get("training", bound.get("train", True))
+    if bound.get("inplace") or not isinstance(x, torch.Tensor) or not (train and 0 < p < 1 and x.numel() > 0):
+        return func(*args, **kwargs)
+    return torch.native_dropout(x, p, True)[0]
+
+
+_DROPOUTS = (F.dropout, torch.dropout)
+_RNNS = {torch._C._VariableFunctions.gru: "gru", torch._C._VariableFunctions.lstm: "lstm"}  # what _VF calls
+
+
+class _CudnnRNN(torch.autograd.Function):
+    """What ``_cudnn_rnn`` and ``_cudnn_rnn_backward`` allocate (aten/src/ATen/native/cudnn/RNN.cpp), on
+    fake tensors (the op's meta kernel returns a 0-byte reserve and its backward has no fake kernel).
+
+    Forward: ``input.contiguous()`` of the time-major input (a transient copy for batch-first input), the
+    output (T, B, D*H), hy (and cy for an LSTM), and the reserve, which autograd keeps for backward with
+    the input, the hidden state and the output (derivatives.yaml ``_cudnn_rnn``: result3); its size is
+    ``workspaces.cudnn_rnn_reserve_bytes`` (cuDNN's, measured exact on 192 shapes). Backward: dx, dhx
+    (dcx) and one flat weight gradient the parameters' gradients are views of. cuDNN's own workspaces
+    (transient, 12-259 MiB measured, no formula) are not modelled."""
+
+    @staticmethod
+    def forward(ctx, mode, hidden, layers, bidirectional, batch_first, x, hx, cx, *weights):
+        D = 2 if bidirectional else 1
+        T, B = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
+        if batch_first:
+            x.transpose(0, 1).contiguous()  # freed as the call returns
+        out = x.new_empty((T, B, D * hidden))
+        hy = x.new_empty((layers * D, B, hidden))
+        cy = x.new_empty((layers * D, B, hidden)) if cx is not None else None
+        nbytes = workspaces.cudnn_rnn_reserve_bytes(
+            mode, hidden, T, B, layers, x.element_size(), bidirectional
+        )
+        reserve = x.new_empty((nbytes,), dtype=torch.uint8)
+        ctx.save_for_backward(x, hx, cx, out, reserve)
+        ctx.n_weights = len(weights)
+        ctx.weights = [(w.shape, w.dtype) for w in weights]
+        return (out.transpose(0, 1) if batch_first else out), hy, cy
+
+    @staticmethod
+    def backward(ctx, dout, dhy, dcy):
+        x, hx, cx, _, _ = ctx.saved_tensors
+        dx = torch.empty_like(x)
+        dhx = torch.empty_like(hx)
+        dcx = None if cx is None else torch.empty_like(cx)
+        total = sum(math.prod(shape) for shape, _ in ctx.weights)
+        flat = x.new_zeros((total,), dtype=ctx.weights[0][1])
+        grads, at = [], 0
+        for shape, _ in ctx.weights:
+            n = math.prod(shape)
+            grads.append(flat[at : at + n].view(shape))
+            at += n
+        return None, None, None, None, None, dx, dhx, dcx, *grads
+
+
+def _rnn(name: str, args: tuple, kwargs: dict):
+    """``_VF.gru`` / ``_VF.lstm`` as CUDA runs them: ``_cudnn_rnn`` whenever cuDNN takes the input
+    (``cudnn_is_acceptable``: float, half or double; the default), with what it keeps (``_CudnnRNN``).
+    Packed sequences and LSTM projections keep the traced CPU path."""
+    if kwargs or len(args) != 9 or not isinstance(args[2], (list, tuple)):
+        return None  # the packed-sequence signature (input, batch_sizes, hx, ...)
+    x, hx, weights, bias, layers, dropout, train, bidirectional, batch_first = args
+    cx = None
+    if name == "lstm":
+        hx, cx = hx
+        if hx.shape[-1] != cx.shape[-1]:
+            return None  # proj_size
+    if x.dtype not in (torch.float32, torch.float16, torch.float64, torch.bfloat16) or x.dim() != 3:
+        return None
+    hidden = hx.shape[-1]
+    out, hy, cy = _CudnnRNN.apply(name, hidden, layers, bidirectional, batch_first, x, hx, cx, *weights)
+    return (out, hy) if cx is None else (out, hy, cy)
+
+
 class CudaRules(TorchFunctionMode):
-    """The CUDA target's rules on a CPU fake-tensor trace: SDPA backends and CUDA's autocast policy."""
+    """The CUDA target's rules on a CPU fake-tensor trace: SDPA backends, dropout's fused kernel and
+    CUDA's autocast policy."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention or func is torch._C._nn.scaled_dot_product_attention:
             return _sdpa(*args, **kwargs)
+        if func in _DROPOUTS:
+            return _dropout(func, args, kwargs)
+        if func in _RNNS:
+            out = _rnn(_RNNS[func], args, kwargs)
+            if out is not None:
+                return out
         if torch.is_autocast_enabled("cpu") and getattr(func, "__name__", "") in CUDA_FP32_OPS:
             low = torch.get_autocast_dtype("cpu")
 
@@ -232,20 +332,19 @@ class CudaRules(TorchFunctionMode):
 @contextlib.contextmanager
 def cuda_rules(target: registry.Target | None = None) -> Iterator[None]:
     """CudaRules for the whole step, activation checkpointing's recompute included: PyTorch runs that
-    recompute inside backward, where a TorchFunctionMode is not seen, so non-reentrant checkpoint calls
-    get a context_fn that enters the rules around it (the saved and recomputed tensors then agree).
-    ``target``: the CUDA run the trace stands for (None: ``assumed_target()``), which the ops' registry
-    reads to choose each op's implementation as that run would."""
-    real = torch.utils.checkpoint.checkpoint
+    recompute inside backward, where a TorchFunctionMode is not seen, so every non-reentrant checkpoint
+    gets a context_fn that enters the rules around it (the saved and recomputed tensors then agree). The
+    hook is ``torch.utils.checkpoint._checkpoint_without_reentrant_generator``, which ``checkpoint`` looks
+    up at each call: it also reaches callers that imported ``checkpoint`` itself before the estimate
+    (transformers' ``gradient_checkpointing_enable``). ``target``: the CUDA run the trace stands for (None:
+    ``assumed_target()``), which the ops' registry reads to choose each op's implementation as that run
+    would."""
+    module = torch.utils.checkpoint
+    real = module._checkpoint_without_reentrant_generator
 
-    def checkpoint(function, *args, use_reentrant=None, context_fn=None, **kwargs):
-        if use_reentrant is not False:  # the reentrant variant recomputes in an autograd Function's backward
-            return real(function, *args, use_reentrant=use_reentrant, context_fn=context_fn or
-                        torch.utils.checkpoint.noop_context_fn, **kwargs)  # fmt: skip
-        inner = context_fn or torch.utils.checkpoint.noop_context_fn
-
+    def generator(fn, preserve_rng_state=True, context_fn=module.noop_context_fn, *args, **kwargs):
         def with_rules():
-            forward, recompute = inner()
+            forward, recompute = context_fn()
 
             @contextlib.contextmanager
             def recompute_with_rules() -> Iterator[None]:
@@ -254,14 +353,40 @@ def cuda_rules(target: registry.Target | None = None) -> Iterator[None]:
 
             return forward, recompute_with_rules()
 
-        return real(function, *args, use_reentrant=False, context_fn=with_rules, **kwargs)
+        return real(fn, preserve_rng_state, with_rules, *args, **kwargs)
 
-    torch.utils.checkpoint.checkpoint = checkpoint
+    module._checkpoint_without_reentrant_generator = generator
+    optimizers = _optimizers_default_to_cuda()
     try:
         with registry.traced_as(target if target is not None else assumed_target()), CudaRules():
             yield
     finally:
-        torch.utils.checkpoint.checkpoint = real
+        module._checkpoint_without_reentrant_generator = real
+        for mod, original in optimizers:
+            mod._default_to_fused_or_foreach = original
+
+
+def _default_to_fused_or_foreach_cuda(params, differentiable: bool, use_fused: bool = False):
+    """``torch.optim.optimizer._default_to_fused_or_foreach`` for tensors that stand for CUDA tensors: an
+    optimizer given neither ``foreach`` nor ``fused`` runs its foreach implementation on CUDA (one
+    ``_foreach_*`` op over all parameters, whose intermediates are as large as the parameters), where the
+    fake CPU tensors would take the per-parameter loop."""
+    if torch.jit.is_scripting() or differentiable:
+        return False, False
+    tensors = all(p is None or isinstance(p, torch.Tensor) for p in params)
+    fused = use_fused and tensors and all(p is None or torch.is_floating_point(p) for p in params)
+    return fused, not fused and tensors
+
+
+def _optimizers_default_to_cuda() -> list[tuple]:
+    """Point every torch.optim module's imported ``_default_to_fused_or_foreach`` at the CUDA one; returns
+    (module, original) pairs to restore."""
+    swapped = []
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torch.optim") and hasattr(mod, "_default_to_fused_or_foreach"):
+            swapped.append((mod, mod._default_to_fused_or_foreach))
+            mod._default_to_fused_or_foreach = _default_to_fused_or_foreach_cuda
+    return swapped
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -35,11 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import UsageError, first_line
+from memfit.estimate import allocator
 from memfit.estimate.memory import (
     _QUERIES,
     AMP_DTYPES,
     CATEGORIES,
     GIB,
+    WORKSPACES,
     MemoryReport,
     TrainStep,
     _query,
@@ -108,6 +110,15 @@ class TraceTracker(_StorageTracker):
             module = _PHASE_LABELS.get(self.phase, "(build)")
         entry = [self._nbytes(st), category, self.op, module, tuple(t.shape), t.dtype, False, self.seq, None]
         entry.append(self.src)
+        self.records.append(entry)
+        return entry
+
+    def _extra_entry(self, x) -> list:
+        """A CUDA library's allocation as a record: op "cuBLAS workspace (main thread)"..., made in the
+        module that ran the op."""
+        self.seq += 1
+        module = self.path[-1] if self.path else _PHASE_LABELS.get(self.phase, "(build)")
+        entry = [x.nbytes, WORKSPACES, x.what, module, (x.nbytes,), torch.uint8, False, self.seq, None, None]
         self.records.append(entry)
         return entry
 
@@ -265,27 +276,40 @@ class Trace:
 
     def replay(self, drop: Callable[[list], bool] | None = None, add: list[tuple[int, int, int]] = ()):
         """Peak and its split when the storages `drop` selects never existed and `add` (nbytes, born,
-        freed) ones did: a what-if on the same timeline, no new trace."""
-        events: list[tuple[int, int, str]] = []
-        for r in self.records:
+        freed) ones did: a what-if on the same timeline, no new trace. A CUDA estimate's peak is the
+        caching allocator's (``memfit.estimate.allocator``) over that timeline."""
+        events: list[tuple[int, int, str, int]] = []  # (seq, +-nbytes, category, which storage)
+        for i, r in enumerate(self.records):
             if drop is not None and drop(r):
                 continue
-            events.append((r[BORN], r[NBYTES], r[CAT]))
+            events.append((r[BORN], r[NBYTES], r[CAT], i))
             if r[FREED] is not None:
-                events.append((r[FREED], -r[NBYTES], r[CAT]))
-        for nbytes, born, freed in add:
-            events.append((born, nbytes, "activations"))
-            events.append((freed, -nbytes, "activations"))
+                events.append((r[FREED], -r[NBYTES], r[CAT], i))
+        for k, (nbytes, born, freed) in enumerate(add):
+            events.append((born, nbytes, "activations", -1 - k))
+            events.append((freed, -nbytes, "activations", -1 - k))
         events.sort(key=lambda e: (e[0], e[1] < 0))
+        if self.report.cuda is not None:
+            return _allocator_replay(events)
         live, peak = 0, 0
         cats = dict.fromkeys(CATEGORIES, 0)
         peak_cats = dict(cats)
-        for _, n, cat in events:
+        for _, n, cat, _ in events:
             live += n
-            cats[cat] += n
+            cats[cat] = cats.get(cat, 0) + n
             if live > peak:
                 peak, peak_cats = live, dict(cats)
         return peak, peak_cats
+
+
+def _allocator_replay(events: list[tuple[int, int, str, int]]) -> tuple[int, dict[str, int]]:
+    """The caching allocator's peak and its split over a replayed timeline (Trace.replay's events)."""
+    sim = allocator.simulate([("alloc", k, n) if n >= 0 else ("free", k) for _, n, _, k in events])
+    cats = {k: cat for _, n, cat, k in events if n >= 0}
+    split = dict.fromkeys(CATEGORIES, 0)
+    for key, size in sim.block_bytes.items():
+        split[cats[key]] = split.get(cats[key], 0) + size
+    return sim.peak_allocated, split
 
 
 def trace_step(step: TrainStep, steps: int = 2, device: str = "cpu") -> Trace:
@@ -303,7 +327,8 @@ def trace_step(step: TrainStep, steps: int = 2, device: str = "cpu") -> Trace:
             cls = _constructing(exc)
         exc.memfit_class = cls  # type: ignore[attr-defined]
         raise
-    return Trace(report, tracker.records, tracker.peak_seq, tracker.model_classes)
+    peak_seq = tracker.peak_seq if report.cuda is None else report.cuda.peak_seq  # the allocator's peak
+    return Trace(report, tracker.records, peak_seq, tracker.model_classes)
 
 
 def _constructing(exc: BaseException) -> str | None:

@@ -35,7 +35,7 @@ import importlib
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -273,14 +273,24 @@ class Target:
     device: str = "cpu"
     kernels: frozenset[str] = frozenset()
 
-    def describe(self) -> str:
-        """How a report names the kernels assumed."""
-        extra = sorted(
-            r.package for r in RECORDS if r.package and r.device == self.device and r.name in self.kernels
-        )
+    def describe(self, ran: Iterable[tuple[str, str]] | None = None) -> str:
+        """How a report names the kernels assumed. With ``ran`` (the (op, implementation) pairs a traced
+        step called, from ``ran()``): only the optional kernels that step's calls took, "without the cuda
+        extra" when the step calls an op the extra would serve and the target lacks it, and "" when the
+        step calls none of those ops (a ResNet is not said to use mamba_ssm)."""
         if self.device != "cuda":
             return "the CPU's kernels"
-        return "with " + ", ".join(extra) if extra else "without the cuda extra"
+        optional = [r for r in RECORDS if r.package and r.device == self.device]
+        if ran is None:
+            extra = sorted(r.package for r in optional if r.name in self.kernels)
+            return "with " + ", ".join(extra) if extra else "without the cuda extra"
+        ran = set(ran)
+        used = sorted({r.package for r in optional if (r.op, r.name) in ran})
+        if used:
+            return "with " + ", ".join(used)
+        called = {op for op, _ in ran}
+        lacking = sorted({r.package for r in optional if r.op in called and r.name not in self.kernels})
+        return f"without the cuda extra's {', '.join(lacking)}" if lacking else ""
 
 
 def extra_kernels() -> frozenset[str]:

@@ -1,0 +1,411 @@
+"""What a CUDA training step allocates that a fake-tensor trace does not show: the CUDA libraries'
+workspaces, keyed by what the trace does show (the aten op, its arguments, and which host thread runs it);
+and the card an estimate is for (its compute capability and its CUDA context).
+
+Every rule names its source. "2.11 source" is PyTorch's source of the 2.11 line; where the torch
+2.11.0+cu130 wheel could confirm a number it was read from the wheel itself (its headers under
+``torch/include``, or its ``libtorch_cuda.so`` disassembled). "Measured" is a reading on an NVIDIA H200
+(torch 2.11.0+cu130, cuDNN 9.19.0, cuFFT 12.0, driver 580.159.04) on 2026-11-26, recorded in
+``packages/core/tests/data/h200-2026-11-26``: a property of the library or the card, not of PyTorch's
+source, that may change with either.
+
+Sizes are the bytes requested from the caching allocator (``memfit.estimate.allocator`` rounds them). A
+"persistent" allocation lives until the process ends; a "transient" one only while its op runs.
+
+Modelled:
+
+* **cuBLAS**: one workspace per (handle, stream), one handle per host thread: the forward/optimizer thread
+  and the autograd engine's device thread each allocate one at their first matmul (32 MiB on compute
+  capability 9.0, 8.125 MiB elsewhere);
+* **cuBLASLt**: 1 MiB per thread at its first ``addmm`` that takes the Lt path (a Linear with a bias);
+* **cuFFT**: the input clone every complex-to-real transform makes (``torch.istft``, ``irfft``), and the
+  work area, 0 for the transform sizes measured (n <= 8192) and one complex signal above;
+* **the CUDA context**: a measured constant per card (``Card.context_bytes``), outside the allocator.
+
+Not modelled, because no source decides them and a fake trace cannot ask the library (see
+docs/your-own-model.md, "GPU accuracy"): cuDNN's convolution workspaces (chosen by cuDNN's heuristics at
+run time; measured up to 12.7 MiB per call on ResNet-50), cuDNN's RNN workspaces (12-259 MiB measured over
+128 shapes, no formula), flash and memory-efficient attention's internal temporaries, the context's growth
+as kernels load lazily (+110-240 MiB measured after a few steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+
+import torch
+
+from memfit.errors import UsageError
+
+KiB = 1024
+MiB = 1024 * 1024
+
+# ----------------------------------------------------------------------------------------------------
+# The card
+# ----------------------------------------------------------------------------------------------------
+
+#: Device memory in use that PyTorch's allocator does not reserve: ``total - free`` (cudaMemGetInfo) minus
+#: ``memory_reserved()``, right after ``torch.cuda.init()``. Measured on one NVIDIA H200, driver
+#: 580.159.04, torch 2.11.0+cu130 (CUDA 13.0 runtime), 2026-11-26: 552,402,944 B = 526.8 MiB. What sets
+#: it is the driver's (per-SM local memory for the default stack size, printf FIFO, device malloc heap),
+#: so it is a measured constant of (card, driver, torch), not derived. It grows while a step first runs
+#: its kernels (lazy module loading, the CUDA default on Linux since 12.2; cuBLAS/cuDNN/cuFFT handles):
+#: 640-770 MiB after three steps of the recorded programs. The margin (``memfit.estimate.fit.MARGIN``)
+#: covers that growth.
+H200_CONTEXT_BYTES = 552_402_944
+H200_CONTEXT_NOTE = (
+    "measured right after torch.cuda.init() on an NVIDIA H200, driver 580.159.04, torch 2.11.0+cu130, "
+    "2026-11-26"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Card:
+    """The GPU a CUDA estimate is for: the compute capability picks the libraries' workspace sizes; the
+    context is the memory the CUDA context takes outside PyTorch's allocator."""
+
+    name: str
+    capability: tuple[int, int]
+    context_bytes: int
+    context_note: str
+
+    @property
+    def sm(self) -> str:
+        return f"sm{self.capability[0]}{self.capability[1]}"
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.sm})"
+
+
+#: Cards by the names users type; capabilities from NVIDIA's CUDA GPU list (developer.nvidia.com/cuda-gpus).
+#: The context was measured on the H200 only; other cards use that reading, and say so.
+CARD_CAPABILITIES: dict[str, tuple[str, tuple[int, int]]] = {
+    "h200": ("NVIDIA H200", (9, 0)),
+    "h100": ("NVIDIA H100", (9, 0)),
+    "gh200": ("NVIDIA GH200", (9, 0)),
+    "a100": ("NVIDIA A100", (8, 0)),
+    "a30": ("NVIDIA A30", (8, 0)),
+    "a10": ("NVIDIA A10", (8, 6)),
+    "a10g": ("NVIDIA A10G", (8, 6)),
+    "a40": ("NVIDIA A40", (8, 6)),
+    "rtx3090": ("NVIDIA GeForce RTX 3090", (8, 6)),
+    "l4": ("NVIDIA L4", (8, 9)),
+    "l40s": ("NVIDIA L40S", (8, 9)),
+    "rtx4090": ("NVIDIA GeForce RTX 4090", (8, 9)),
+    "b200": ("NVIDIA B200", (10, 0)),
+    "v100": ("NVIDIA V100", (7, 0)),
+    "t4": ("NVIDIA T4", (7, 5)),
+}
+DEFAULT_CARD = "h200"
+
+
+def card(name: str | None = None) -> Card:
+    """The card for ``--gpu NAME``: a name (h100, a100, l4, ...), a compute capability (``9.0``, ``sm90``);
+    None: this machine's GPU when there is one, else an H200 (sm90, what the recorded measurements used)."""
+    if name is None:
+        if torch.cuda.is_available():
+            return card_of_device(torch.device("cuda", torch.cuda.current_device()))
+        name = DEFAULT_CARD
+    key = name.strip().lower().replace(" ", "").replace("-", "").removeprefix("nvidia")
+    if key in CARD_CAPABILITIES:
+        full, cap = CARD_CAPABILITIES[key]
+        return _card(full, cap)
+    m = re.fullmatch(r"(?:sm_?)?(\d{1,2})\.?(\d)", key)
+    if m is None:
+        known = ", ".join(sorted(CARD_CAPABILITIES))
+        raise UsageError(
+            f"error: --gpu {name!r} is not a card this estimate knows; give one of {known}, or a compute "
+            "capability such as 9.0 or sm86"
+        )
+    cap = (int(m.group(1)), int(m.group(2)))
+    return _card(f"a compute capability {cap[0]}.{cap[1]} GPU", cap)
+
+
+_card_var = contextvars.ContextVar[Card | None]("memfit_card", default=None)
+
+
+@contextlib.contextmanager
+def assume_card(c: Card | None) -> Iterator[None]:
+    """CUDA estimates inside are for this card (the commands' ``--gpu``; None: ``card()``'s default)."""
+    token = _card_var.set(c)
+    try:
+        yield
+    finally:
+        _card_var.reset(token)
+
+
+def assumed_card() -> Card:
+    """The card a CUDA estimate made now is for."""
+    c = _card_var.get()
+    return card() if c is None else c
+
+
+def card_of_device(device: torch.device) -> Card:
+    """The card of a CUDA device (its name and capability); the default card where CUDA is not there
+    (a device named in a test)."""
+    if not torch.cuda.is_available():
+        return card(DEFAULT_CARD)
+    return _card(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+
+
+def _card(name: str, cap: tuple[int, int]) -> Card:
+    note = H200_CONTEXT_NOTE
+    if "H200" not in name:
+        note += "; not measured on this card, the H200's reading stands in"
+    return Card(name, (int(cap[0]), int(cap[1])), H200_CONTEXT_BYTES, note)
+
+
+# ----------------------------------------------------------------------------------------------------
+# cuBLAS / cuBLASLt workspaces
+# ----------------------------------------------------------------------------------------------------
+
+#: aten ops whose CUDA kernels call ``at::cuda::getCurrentCUDABlasHandle()`` (2.11 source,
+#: aten/src/ATen/native/cuda/Blas.cpp: ``addmm_out_cuda_impl`` for mm/addmm/_addmm_activation,
+#: ``baddbmm_out_cuda_impl`` for bmm/baddbmm, addbmm, addmv/mv, dot/vdot; ``_scaled_mm`` and ``_int_mm``
+#: through CUDABlas.cpp). linear, matmul and einsum decompose into these before they reach the device.
+CUBLAS_OPS = frozenset(
+    {"mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "_scaled_mm", "_int_mm",
+     "_addmm_activation"}
+)  # fmt: skip
+LT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def parse_cublas_workspace_config(value: str) -> int | None:
+    """CUBLAS_WORKSPACE_CONFIG=":SIZE:COUNT[:SIZE:COUNT...]" -> sum(SIZE KiB * COUNT) bytes, as
+    CublasHandlePool.cpp ``parseChosenWorkspaceSize`` reads it (regex ``:([0-9]+):([0-9]+)``); None when
+    it does not parse (PyTorch then warns and uses the default)."""
+    pairs = re.findall(r":([0-9]+):([0-9]+)", value)
+    if not pairs:
+        return None
+    return sum(int(s) * 1024 * int(c) for s, c in pairs)
+
+
+def cublas_workspace_bytes(capability: tuple[int, int] = (9, 0), env: Mapping[str, str] | None = None) -> int:
+    """Bytes of the cuBLAS workspace PyTorch allocates per (cuBLAS handle, stream).
+
+    2.11 source: aten/src/ATen/cuda/CublasHandlePool.cpp ``parseChosenWorkspaceSize``: without
+    CUBLAS_WORKSPACE_CONFIG the default is ``sm90 ? 4096 * 8 * 1024 : 4096 * 1024 * 2 + 16 * 1024 * 8``
+    where sm90 means compute capability exactly 9.0 (``major == 9 && minor == 0``): 32 MiB on H100/H200,
+    8.125 MiB (8,519,680 B) on every other GPU (A100, L4, Blackwell 10.0 included). Confirmed in the 2.11
+    wheel: ``parseChosenWorkspaceSize`` loads 0x820000 and 0x2000000 and compares (major, minor) with 9.
+    ``getNewWorkspace`` takes it from ``c10::cuda::CUDACachingAllocator::get()->allocate(...)``: an
+    ordinary allocator block, counted in ``memory_allocated``, kept in ``cublas_handle_stream_to_workspace()``
+    until ``torch._C._cuda_clearCublasWorkspaces()`` (``empty_cache`` does not free it). Measured (H200): a
+    33,554,432-byte allocation right after the first forward addmm's output, and another right after the
+    first backward mm's output, on the autograd thread.
+    """
+    env = os.environ if env is None else env
+    val = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if val is not None:
+        parsed = parse_cublas_workspace_config(val)
+        if parsed is not None:
+            return parsed
+    if tuple(capability) == (9, 0):
+        return 4096 * 8 * 1024
+    return 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+_TRUE = ("1", "true", "on", "yes", "y")
+_FALSE = ("0", "false", "off", "no", "n")
+
+
+def cublaslt_workspace_bytes(
+    capability: tuple[int, int] = (9, 0), env: Mapping[str, str] | None = None
+) -> int:
+    """Bytes of the separate cuBLASLt workspace per (handle, stream); 0 when it shares cuBLAS's.
+
+    2.11 source: CublasHandlePool.cpp ``parseCUDABlasLtWorkspaceSize``: CUBLASLT_WORKSPACE_SIZE in KiB,
+    default 1024 KiB = 1 MiB (the 2.11 wheel loads 0x400; no per-GPU default), and
+    ``getCUDABlasLtWorkspaceSize``: unless TORCH_CUBLASLT_UNIFIED_WORKSPACE is set false, capped at the
+    cuBLAS workspace size. ``getCUDABlasLtWorkspace``: only with TORCH_CUBLASLT_UNIFIED_WORKSPACE set true
+    does Lt reuse the cuBLAS workspace; by default it allocates its own block through the caching
+    allocator, keyed by (handle, stream). 1 MiB is <= kSmallSize: a small-pool block. Measured (H200): one
+    1,048,576-byte allocation right after the cuBLAS workspace of the first forward Linear.
+    """
+    env = os.environ if env is None else env
+    unified = env.get("TORCH_CUBLASLT_UNIFIED_WORKSPACE")
+    if unified is not None and unified.strip().lower() in _TRUE:
+        return 0
+    size = 1024
+    val = env.get("CUBLASLT_WORKSPACE_SIZE")
+    if val is not None and val.strip().isdigit():
+        size = int(val)
+    size *= 1024
+    if unified is None or unified.strip().lower() not in _FALSE:
+        size = min(size, cublas_workspace_bytes(capability, env))
+    return size
+
+
+def addmm_takes_lt(args: tuple, kwargs: Mapping) -> bool:
+    """Whether ``aten.addmm(self, mat1, mat2, beta=, alpha=)`` runs on cuBLASLt (and so allocates the Lt
+    workspace). 2.11 source, aten/src/ATen/native/cuda/Blas.cpp ``isInputCompliesAddmmCudaLt``: beta == 1,
+    a 2-D contiguous result (a new one: not ``self``), a contiguous bias that is 1-D (or squeezes to 1-D)
+    with the output's column count, fp32/fp64/fp16/bf16, and both matrices larger than 1 in each dimension
+    (CUDA >= 12.1 drops the leading-dimension rule). A Linear with a bias on 2-D or contiguous 3-D input
+    is such a call (aten/src/ATen/native/Linear.cpp: ``addmm`` / ``_flatten_nd_linear``);
+    DISABLE_ADDMM_CUDA_LT=1 turns it off (``isGloballyDisabledAddmmCudaLt``)."""
+    if len(args) < 3 or os.environ.get("DISABLE_ADDMM_CUDA_LT") == "1":
+        return False
+    bias, mat1, mat2 = args[:3]
+    beta = kwargs.get("beta", args[3] if len(args) > 3 else 1)
+    if beta != 1 or not all(isinstance(t, torch.Tensor) for t in (bias, mat1, mat2)):
+        return False
+    if mat1.dim() != 2 or mat2.dim() != 2 or mat1.dtype not in LT_DTYPES:
+        return False
+    squeezed = [s for s in bias.shape if s != 1]
+    bias_ok = (
+        bias.is_contiguous() and bias.dim() >= 1 and len(squeezed) <= 1 and bias.shape[-1] == mat2.shape[1]
+    )
+    return bias_ok and min(mat1.shape) > 1 and min(mat2.shape) > 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# cuFFT
+# ----------------------------------------------------------------------------------------------------
+
+#: the largest transform length measured to need no cuFFT work area (H200, cuFFT 12.0, fp32, 1-D)
+CUFFT_NO_WORKAREA_MAX = 8192
+
+
+def cufft_transients(op: str, args: tuple, out: torch.Tensor) -> list[tuple[int, str]]:
+    """Transient allocations of one ``aten._fft_r2c / _fft_c2r / _fft_c2c`` call on CUDA, in order, as
+    (bytes, what); each is freed when the op returns.
+
+    2.11 source, aten/src/ATen/native/cuda/SpectralOps.cpp:
+    * ``_fft_c2r_cufft``: "Complex to real FFTs may overwrite the input buffer, so must always clone
+      (gh-34551)": ``temp = self.clone(MemoryFormat::Contiguous)``: one copy of the complex input.
+    * ``_exec_fft``: ``workspace = at::empty({config->workspace_size()}, kByte)`` through the caching
+      allocator; the size is cuFFT's (``cufftXtMakePlanMany`` with auto-allocation off, CuFFTPlanCache.h).
+      The plan cache holds no allocator memory.
+    cuFFT documents no formula for the work area and its size query needs a device. Measured (H200,
+    cuFFT 12.0, fp32, batched 1-D R2C and C2R): 0 bytes for every n <= 8192 tried (256 ... 8192; batch 1,
+    64, 2000), about one complex signal at n = 65536 (batch 1 and 64; 0 at batch 2000). So: 0 up to 8192,
+    one complex signal above (outside the measured points, an upper reading).
+    """
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return []
+    signal = max(x.numel() * x.element_size(), out.numel() * out.element_size())
+    dims = args[1] if len(args) > 1 else ()
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if op == "_fft_c2r":
+        n = args[3] if len(args) > 3 else out.shape[-1]
+    else:
+        n = max((x.shape[d] for d in dims), default=x.shape[-1] if x.dim() else 1)
+    found = []
+    if op == "_fft_c2r":
+        found.append((x.numel() * x.element_size(), "cuFFT: complex-to-real input clone"))
+    if n > CUFFT_NO_WORKAREA_MAX:
+        complex_signal = signal if op != "_fft_r2c" else out.numel() * out.element_size()
+        found.append((complex_signal, "cuFFT work area"))
+    return found
+
+
+# ----------------------------------------------------------------------------------------------------
+# cuDNN RNN reserve (used where a step's GRU/LSTM runs cuDNN)
+# ----------------------------------------------------------------------------------------------------
+
+
+def cudnn_rnn_reserve_bytes(
+    mode: str, hidden: int, seq: int, batch: int, layers: int, itemsize: int, bidirectional: bool = False
+) -> int:
+    """Bytes of the reserve ``_cudnn_rnn`` returns in training and autograd keeps for backward.
+
+    2.11 source, aten/src/ATen/native/cudnn/RNN.cpp ``_cudnn_rnn``: with ``fn_train``,
+    ``cudnnGetRNNTempSpaceSizes(..., CUDNN_FWD_MODE_TRAINING, ...)`` gives (workspace, reserve) and
+    ``reserve = at::empty(reserve_size, kByte)`` is an output; the size is cuDNN's (torch's meta kernel
+    returns 0 bytes: "TODO: Query cudnnGetRNNTrainingReserveSize"). Measured (H200, cuDNN 9.19.0, no
+    projection), exact to the byte on 192 shapes (GRU and LSTM, input 64 and 256, hidden 128 and 512,
+    T 50 and 200, batch 8 and 32, 1 and 2 layers, uni- and bidirectional, fp32 and bf16):
+        GRU:  itemsize * T * B * H * D * (6 * L + (L - 1)) + 256
+        LSTM: itemsize * T * B * H * D * (5 * L + (L - 1)) + 256
+    D = 2 when bidirectional. RNN_TANH / RNN_RELU were not measured (2 values per unit is a guess)."""
+    per_layer = {"gru": 6, "lstm": 5, "rnn_tanh": 2, "rnn_relu": 2}[mode]
+    dirs = 2 if bidirectional else 1
+    units = per_layer * layers + (layers - 1)
+    return itemsize * seq * batch * hidden * units * dirs + 256
+
+
+# ----------------------------------------------------------------------------------------------------
+# The workspaces of one traced step
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Extra:
+    """An allocation the fake trace misses, made right after the outputs of the op that needs it."""
+
+    nbytes: int
+    what: str
+    transient: bool  # freed when the op returns; else kept for the rest of the process
+
+
+class CudaLibraries:
+    """The library allocations of one traced CUDA step, decided op by op as the trace runs (``after_op``).
+
+    Threads: cuBLAS handles come from ``DeviceThreadHandlePool`` (ATen/cuda/detail/DeviceThreadHandles.h:
+    a ``thread_local`` PoolWindow, one handle per host thread), and CUDA backward runs on the autograd
+    engine's device thread (torch/csrc/autograd/engine.cpp ``Engine::ready_queue``: non-CPU devices use
+    ``device_ready_queues_``, served by the threads ``start_device_threads`` makes) on the forward's
+    stream: a training step has two handles, so two workspaces. Measured (H200): a Linear step held
+    segments [2, 2, 32, 32] MiB; with ``torch.autograd.set_multithreading_enabled(False)`` (backward on the
+    calling thread) [2, 2, 32]."""
+
+    def __init__(self, card: Card, env: Mapping[str, str] | None = None) -> None:
+        self.card = card
+        self.cublas = cublas_workspace_bytes(card.capability, env)
+        self.cublaslt = cublaslt_workspace_bytes(card.capability, env)
+        self.done: set[tuple[str, str]] = set()
+        self.made: list[Extra] = []  # every extra, in order (what the report lists)
+        self._handlers: dict = {}
+        for name in CUBLAS_OPS:
+            self._add_handler(name, self._blas)
+        for name in ("_fft_r2c", "_fft_c2r", "_fft_c2c"):
+            self._add_handler(name, self._fft)
+
+    def _add_handler(self, name: str, fn: Callable) -> None:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:
+            return
+        for overload in packet.overloads():
+            self._handlers[getattr(packet, overload)] = fn
+
+    def after_op(self, func, args: tuple, kwargs: Mapping, out, backward: bool) -> list[Extra]:
+        """The extras op ``func`` allocates on CUDA (run on the autograd thread when ``backward``)."""
+        handler = self._handlers.get(func)
+        if handler is None:
+            return []
+        found = handler(func, args, kwargs or {}, out, backward)
+        self.made += found
+        return found
+
+    def _blas(self, func, args, kwargs, out, backward) -> list[Extra]:
+        thread = "autograd" if backward and torch.autograd.is_multithreading_enabled() else "main"
+        found = []
+        if (thread, "cublas") not in self.done:
+            self.done.add((thread, "cublas"))
+            found.append(Extra(self.cublas, f"cuBLAS workspace ({thread} thread)", False))
+        name = func.overloadpacket.__name__
+        lt = name in ("addmm", "_addmm_activation") and addmm_takes_lt(args, kwargs)
+        if self.cublaslt and lt and (thread, "cublaslt") not in self.done:
+            self.done.add((thread, "cublaslt"))
+            found.append(Extra(self.cublaslt, f"cuBLASLt workspace ({thread} thread)", False))
+        return found
+
+    def _fft(self, func, args, kwargs, out, backward) -> list[Extra]:
+        return [
+            Extra(n, what, True) for n, what in cufft_transients(func.overloadpacket.__name__, args, out) if n
+        ]
+
+    def summary(self) -> dict[str, int]:
+        """Bytes per kind of extra: persistent ones once each, transient ones at their largest."""
+        out: dict[str, int] = {}
+        for e in self.made:
+            key = e.what.split(" (")[0]
+            out[key] = out.get(key, 0) + e.nbytes if not e.transient else max(out.get(key, 0), e.nbytes)
+        return out
