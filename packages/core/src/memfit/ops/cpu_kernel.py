@@ -110,6 +110,7 @@ def _cpu_id() -> str:
         return ""
 
 
+@cache  # a PATH search of several names: every dispatch asks whether the kernel can be had
 def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
