@@ -10,6 +10,9 @@ the emulated GPU.
 
 from __future__ import annotations
 
+import types
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -239,3 +242,63 @@ def test_a_cpu_tensor_planted_in_a_step_fails_on_the_gpu(system, plant, tmp_path
     with emulated_cuda(), pytest.raises(RuntimeError, match=MIXED) as e:
         train(system, tmp_path / "gpu", *QUICK[system], *GPU)
     assert any(entry.name == where for entry in e.traceback), e.traceback
+
+
+# ----------------------------------------------------------------------------------------------------
+# The GPU suite (`pytest -m cuda`) on the emulated GPU: its device handling is checked on every CPU run
+# ----------------------------------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+CORE, GPT2 = "packages/core/tests", "packages/gpt2-window/tests"
+CUDA_FILE = f"{CORE}/test_cuda.py"
+CUDA_TESTS = [  # (file::test, its parameters): every `cuda` test whose checks hold without real kernels
+    (f"{CUDA_FILE}::test_mamba_block_on_cuda_matches_the_pytorch_path",
+     lambda m: {"paths": m.DEFAULT, "amp": True}),
+    (f"{CUDA_FILE}::test_scan_on_cuda_matches_the_reference", {"path": "triton", "use_kernels": True}),
+    (f"{CUDA_FILE}::test_scan_on_cuda_matches_the_reference", {"path": "torch", "use_kernels": False}),
+    (f"{CUDA_FILE}::test_last_state_gradient_on_cuda", {}),
+    (f"{CUDA_FILE}::test_resume_on_cuda_gives_identical_weights", {}),
+    (f"{CUDA_FILE}::test_compile_on_cuda_trains_like_eager", {}),
+    (f"{CORE}/test_ssm.py::test_cuda_matches_reference", {}),
+    (f"{CORE}/test_attention.py::test_flex_on_cuda_matches_reference", {"L": 257, "w": 64}),
+    (f"{CORE}/test_attention.py::test_flex_on_cuda_matches_reference", {"L": 100, "w": 200}),
+    (f"{CORE}/test_attention.py::test_band_on_cuda_matches_reference", {}),
+    (f"{CORE}/test_scan_triton.py::test_cuda_matches_the_reference_at_real_sizes",
+     {"batch": 2, "dim": 384, "L": 300, "N": 16, "dtype": torch.float32, "bc": "step"}),
+    (f"{GPT2}/test_gpt2_cuda.py::test_window_model_matches_reference_on_cuda", {}),
+    (f"{GPT2}/test_gpt2_cuda.py::test_generate_in_fp32_on_cuda_compiles_a_few_lengths", {}),
+]  # fmt: skip
+
+
+def _module(path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"gpu_suite_{Path(path).stem}", ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(("test", "params"), CUDA_TESTS, ids=[t.split("::")[1] for t, _ in CUDA_TESTS])
+def test_the_gpu_suite_runs_on_the_emulated_gpu(test, params, tmp_path, monkeypatch):
+    """A `cuda` test of the GPU suite on the emulated GPU, called with the fixtures it takes (tmp_path;
+    no_extra, directly or through request.getfixturevalue: the extra's kernels off)."""
+    import inspect
+
+    path, name = test.split("::")
+    module = _module(path)
+    fn = getattr(module, name)
+    kwargs = params(module) if callable(params) else dict(params)
+
+    def no_extra() -> None:
+        monkeypatch.setenv("MEMFIT_DISABLE", ",".join(sorted(registry.extra_kernels())))
+
+    request = types.SimpleNamespace(getfixturevalue=lambda name: no_extra())
+    fixtures = {"tmp_path": tmp_path, "no_extra": None, "request": request}
+    wanted = inspect.signature(fn).parameters
+    if "no_extra" in wanted:
+        no_extra()
+    kwargs.update({k: v for k, v in fixtures.items() if k in wanted and k not in kwargs})
+    registry.reset()
+    with emulated_cuda():
+        fn(**kwargs)
