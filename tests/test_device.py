@@ -34,6 +34,20 @@ PATHS = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _imported():
+    """Every command's module imported before the GPU is emulated: none sees the patched torch.cuda at
+    import and keeps what it said for later tests."""
+    import importlib
+
+    for system in SYSTEMS:
+        sys_ = load_system(system)
+        for kind in ("train", "eval", *sys_.extra_commands):
+            sys_.entry(kind)
+        importlib.import_module(f"{MODELS[system][0].split('.')[0]}.api")
+    importlib.import_module("memfit.cli")
+
+
 def memfit_main(*argv: str) -> int:
     from memfit.cli import main
 
@@ -119,7 +133,7 @@ def test_every_command_runs_on_the_gpu(system, tmp_path, capsys):
     registry.reset()
     with emulated_cuda() as gpu:
         assert train(system, runs, "--steps", "2", "--eval_every", "2", "--save_every", "1", *GPU) == 0
-        assert "peak memory consumption" in capsys.readouterr().out
+        assert "peak memory consumption: 0 MiB (cuda)" in capsys.readouterr().out  # the Trainer's device
         assert train(system, runs, "--steps", "3", "--resume", *GPU) == 0
         assert "resumed from" in capsys.readouterr().err
         assert evaluate(system, run, *GPU) == 0
