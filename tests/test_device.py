@@ -125,14 +125,29 @@ def test_the_emulated_gpu_refuses_what_cuda_refuses_and_allows_what_it_allows(tm
 
 @pytest.mark.parametrize("system", SYSTEMS)
 def test_every_command_runs_on_the_gpu(system, tmp_path, capsys):
-    """train (2 steps, a validation, a checkpoint), --resume, eval, the extra commands, the one-call API,
-    export and its model on the GPU, and plot: each on the emulated GPU, with the paths a GPU without the
-    cuda extra takes."""
+    """train (2 steps with activation checkpointing, a validation, a checkpoint), --resume, eval, the extra
+    commands, the one-call API, export and its model on the GPU, and plot: each on the emulated GPU, with
+    the paths a GPU without the cuda extra takes."""
     runs = tmp_path / "runs"
     run = runs / system / "run"
     registry.reset()
     with emulated_cuda() as gpu:
-        assert train(system, runs, "--steps", "2", "--eval_every", "2", "--save_every", "1", *GPU) == 0
+        # with activation checkpointing: the kernels' probes run inside it (mbsnet's GPU recipe has it on)
+        assert (
+            train(
+                system,
+                runs,
+                "--steps",
+                "2",
+                "--eval_every",
+                "2",
+                "--save_every",
+                "1",
+                "--checkpointing",
+                *GPU,
+            )
+            == 0
+        )
         assert "peak memory consumption: 0 MiB (cuda)" in capsys.readouterr().out  # the Trainer's device
         assert train(system, runs, "--steps", "3", "--resume", *GPU) == 0
         assert "resumed from" in capsys.readouterr().err
