@@ -240,7 +240,8 @@ class _Mode(TorchFunctionMode):
         elif func is T.cuda:
             device, dtype, fmt = CUDA0, None, kwargs.get("memory_format")
         else:
-            device, dtype, _, fmt = torch._C._nn._parse_to(*rest, **kwargs)
+            parse = {k: v for k, v in kwargs.items() if k != "copy"}
+            device, dtype, _, fmt = torch._C._nn._parse_to(*rest, **parse)
             if rest and isinstance(rest[0], EmulatedCuda):  # to(other): other's device and dtype
                 device, dtype = CUDA0, rest[0].dtype
         copy_ = bool(kwargs.get("copy", False))

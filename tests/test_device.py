@@ -108,6 +108,7 @@ def test_the_emulated_gpu_refuses_what_cuda_refuses_and_allows_what_it_allows(tm
         x.copy_(x.cpu() + 1)
         assert x.sum().item() == 16 and type(x.cpu()) is torch.Tensor and x.cpu().device.type == "cpu"
         assert torch.as_tensor(np.ones(2), device="cuda").is_cuda and torch.zeros_like(x, device="cpu").is_cpu
+        assert x.to("cuda") is x and x.to(device="cuda", copy=True) is not x  # GradScaler copies so
         # Module.to moves parameters in place (an optimizer made before keeps them); grads are on the GPU
         net = torch.nn.Linear(4, 2)
         weight = net.weight
