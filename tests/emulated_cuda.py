@@ -180,8 +180,8 @@ class _Mode(TorchFunctionMode):
             return False
         if func is T.record_stream:
             return None
-        if func is T.__deepcopy__ and self_gpu:
-            return self._deepcopy(args[0], args[1])
+        if func is T.__deepcopy__:  # the memo may hold GPU tensors beside a CPU one: no device check
+            return self._deepcopy(args[0], args[1]) if self_gpu else func(*args, **kwargs)
         if func is T.__iter__ and self_gpu:
             return iter(self._handle(T.unbind, (args[0], 0), {}))
         if func is T.__reduce_ex__ and self_gpu:  # saved as its CPU tensor
@@ -234,6 +234,8 @@ class _Mode(TorchFunctionMode):
                      for i, r in enumerate(result))  # fmt: skip
 
     def _to(self, func, args, kwargs):
+        """to / cuda / cpu: a move between the GPU and another device copies, as CUDA does; a tensor that
+        stays off the GPU is torch's business."""
         t, rest = args[0], args[1:]
         if func is T.cpu:
             device, dtype, fmt = CPU, None, kwargs.get("memory_format")
@@ -244,16 +246,16 @@ class _Mode(TorchFunctionMode):
             device, dtype, _, fmt = torch._C._nn._parse_to(*rest, **parse)
             if rest and isinstance(rest[0], EmulatedCuda):  # to(other): other's device and dtype
                 device, dtype = CUDA0, rest[0].dtype
-        copy_ = bool(kwargs.get("copy", False))
+        on_gpu, to_gpu = isinstance(t, EmulatedCuda), _is_cuda_device(device)
+        if not on_gpu and not to_gpu:
+            return func(*args, **kwargs)
         fmt = {} if fmt is None else {"memory_format": fmt}
-        src = _inner(t)
-        if device is None or _is_cuda_device(device) == isinstance(t, EmulatedCuda):  # stays where it is
-            out = src.to(dtype=dtype or src.dtype, copy=copy_, **fmt)
-            if out is src:
-                return t
-            return _wrap(out) if isinstance(t, EmulatedCuda) else out
-        out = src.to(dtype=dtype or src.dtype, copy=True, **fmt)  # moved: a copy, as between devices
-        return _wrap(out) if _is_cuda_device(device) else out
+        src, dtype = _inner(t), dtype or t.dtype
+        if on_gpu and (device is None or to_gpu):  # stays on the GPU
+            out = src.to(dtype=dtype, copy=bool(kwargs.get("copy", False)), **fmt)
+            return t if out is src else _wrap(out)
+        out = src.to(device=CPU if to_gpu else device, dtype=dtype, copy=True, **fmt)
+        return _wrap(out) if to_gpu else out
 
     def _deepcopy(self, t: EmulatedCuda, memo: dict) -> EmulatedCuda:
         if id(t) in memo:
