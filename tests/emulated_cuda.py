@@ -110,13 +110,13 @@ def _wrap(t: Any) -> Any:
     return t
 
 
-def _check(args: tuple, kwargs: dict, exempt: tuple = ()) -> bool:
+def _check(args: tuple, kwargs: dict) -> bool:
     """Whether any argument is on the GPU; raise CUDA's error when one also is a CPU tensor with dims."""
     gpu = cpu = False
     for a in pytree.tree_leaves((args, kwargs)):
         if isinstance(a, EmulatedCuda):
             gpu = True
-        elif isinstance(a, torch.Tensor) and a.dim() > 0 and a.device.type == "cpu" and id(a) not in exempt:
+        elif isinstance(a, torch.Tensor) and a.dim() > 0 and a.device.type == "cpu":
             cpu = True
     if gpu and cpu:
         raise RuntimeError(MIXED)
@@ -135,9 +135,11 @@ def _call(func, args: tuple, kwargs: dict, wrap_out: bool):
 
 
 T = torch.Tensor
-# functions that take a CPU tensor beside a GPU one on CUDA too
+# functions whose tensors may sit on both devices on CUDA too: the result is where the first argument is
+# (type_as: where the second is); a GPU tensor indexes with CPU indices, not a CPU tensor with GPU ones
 _CROSS_DEVICE = {T.copy_, T.__getitem__, T.__setitem__, T.index_put_, T.index_put, T.expand_as, T.view_as,
                  T.reshape_as, T.type_as, T.new_tensor, torch.as_tensor, torch.tensor}  # fmt: skip
+_INDEXING = {T.__getitem__, T.__setitem__, T.index_put_, T.index_put}
 _GETTERS = {
     T.device.__get__: lambda t: CUDA0,
     T.is_cuda.__get__: lambda t: True,
@@ -192,14 +194,23 @@ class _Mode(TorchFunctionMode):
                 return _call(func, args, kwargs, wrap_out=False)
             self.ops += 1
             return _call(func, args, {**kwargs, "device": CPU}, wrap_out=True)
-        exempt = ()
         if func in _CROSS_DEVICE:
-            exempt = tuple(id(a) for a in pytree.tree_leaves((args[1:], kwargs)))
-        gpu = _check(args, kwargs, exempt)
+            return self._cross_device(func, args, kwargs)
+        gpu = _check(args, kwargs)
         if not gpu:
             return func(*args, **kwargs)
         self.ops += 1
         return _call(func, args, kwargs, wrap_out=True)
+
+    def _cross_device(self, func, args, kwargs):
+        if not any(isinstance(a, EmulatedCuda) for a in pytree.tree_leaves((args, kwargs))):
+            return func(*args, **kwargs)
+        first = args[0] if args else None
+        if func in _INDEXING and not isinstance(first, EmulatedCuda) and _check(args[1:2], {}):
+            raise RuntimeError(MIXED)  # GPU indices into a CPU tensor
+        where = args[1] if func is T.type_as else first
+        self.ops += 1
+        return _call(func, args, kwargs, wrap_out=isinstance(where, EmulatedCuda))
 
     def _backward(self, func, args, kwargs):
         """Backward on the inner tensors, with the mode back on for what the engine calls back (a

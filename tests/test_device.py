@@ -109,6 +109,10 @@ def test_the_emulated_gpu_refuses_what_cuda_refuses_and_allows_what_it_allows(tm
         assert x.sum().item() == 16 and type(x.cpu()) is torch.Tensor and x.cpu().device.type == "cpu"
         assert torch.as_tensor(np.ones(2), device="cuda").is_cuda and torch.zeros_like(x, device="cpu").is_cpu
         assert x.to("cuda") is x and x.to(device="cuda", copy=True) is not x  # GradScaler copies so
+        host = torch.zeros(3, 4)
+        assert host.copy_(x) is host and host.sum().item() == 16 and torch.ones(4).expand_as(x).is_cpu
+        with pytest.raises(RuntimeError, match=MIXED):
+            host[torch.tensor([0], device="cuda")]  # GPU indices into a CPU tensor
         # Module.to moves parameters in place (an optimizer made before keeps them); grads are on the GPU
         net = torch.nn.Linear(4, 2)
         weight = net.weight
