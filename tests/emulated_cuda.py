@@ -24,8 +24,9 @@ interpreter takes a minute per call at these sizes; packages/core/tests/test_sca
 kernels under it). Saving an ``EmulatedCuda`` tensor saves its CPU tensor: what loading a GPU run's
 checkpoint with ``map_location="cpu"`` gives.
 
-Not emulated: speed, memory, streams, and device checks inside custom autograd functions' bodies and
-kernels.
+Not emulated: speed, memory, streams; device checks inside custom autograd functions' bodies and kernels;
+a generator's device (a CPU generator handed to a sampling op on the GPU passes); and 0-dim CPU tensors
+pass everywhere (CUDA takes them in elementwise ops).
 """
 
 from __future__ import annotations
