@@ -73,8 +73,9 @@ def extra_commands(system: str, run, tmp_path) -> None:
         write_wav(tmp_path / "in.wav", noise.astype(np.float32))
         argv = [str(tmp_path / "in.wav"), "--out", str(tmp_path / "enhanced"), "--run", str(run), *GPU]
         assert sys_.command("enhance")(argv) == 0
-        out = enhance_file(tmp_path / "in.wav", tmp_path / "api.wav", run=run, device="cuda")
-        assert np.isfinite(read_wav(out)[0]).all()
+        for model, dst in ((run, "api.wav"), (None, "shipped.wav")):  # None: the model in the package
+            out = enhance_file(tmp_path / "in.wav", tmp_path / dst, run=model, device="cuda")
+            assert np.isfinite(read_wav(out)[0]).all()
     if system == "moremouse-triplane":
         from moremouse_triplane.api import render_views
 
