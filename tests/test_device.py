@@ -292,6 +292,7 @@ CUDA_TESTS = [  # (file::test, its parameters): every `cuda` test whose checks h
     (f"{CUDA_FILE}::test_scan_on_cuda_matches_the_reference", {"path": "triton", "use_kernels": True}),
     (f"{CUDA_FILE}::test_scan_on_cuda_matches_the_reference", {"path": "torch", "use_kernels": False}),
     (f"{CUDA_FILE}::test_last_state_gradient_on_cuda", {}),
+    (f"{CUDA_FILE}::test_a_first_call_inside_activation_checkpointing_takes_the_triton_scan", {}),
     (f"{CUDA_FILE}::test_resume_on_cuda_gives_identical_weights", {}),
     (f"{CUDA_FILE}::test_compile_on_cuda_trains_like_eager", {}),
     (f"{CORE}/test_ssm.py::test_cuda_matches_reference", {}),

@@ -43,14 +43,16 @@ def _block(d_model=64, seed=0, **kw):
     return Mamba(MambaConfig(d_model=d_model, d_state=16, **kw)).cuda()
 
 
-def _fwd_bwd(m, x, amp):
+def _fwd_bwd(m, x, amp, params=None):
     """Output and the gradients of the input and every parameter, with the block's own (strided) inputs."""
-    m.zero_grad(set_to_none=True)
+    params = list(m.parameters() if params is None else params)
+    for p in params:
+        p.grad = None
     x = x.detach().requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
         y = m(x)
     (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
-    return [y.float(), x.grad.float()] + [p.grad.float() for p in m.parameters()]
+    return [y.float(), x.grad.float()] + [p.grad.float() for p in params]
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
@@ -74,6 +76,28 @@ def test_mamba_block_on_cuda_matches_the_pytorch_path(paths, amp, request):
     tol = 3e-2 if amp else 2e-4
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=tol * max(1.0, w.abs().max().item()), rtol=tol)
+
+
+@pytest.mark.cuda
+def test_a_first_call_inside_activation_checkpointing_takes_the_triton_scan(no_extra):
+    """The Triton scan's probe runs at the first call, here inside activation checkpointing (mbsnet's GPU
+    recipe): it passes (its graph apart from the checkpoint's), and the step matches one without
+    checkpointing."""
+    import warnings
+
+    from memfit.ops.layers import checkpointed
+
+    probes.reset(probes=True)  # the probe runs now, inside the checkpoint
+    m = _block()
+    x = torch.randn(2, 100, 64, device="cuda")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = _fwd_bwd(lambda t: checkpointed(m, t, enabled=True), x, amp=False, params=m.parameters())
+    assert not [w for w in said if "memfit:" in str(w.message)]  # a failed probe says so
+    assert probes.ran() == {("conv", "torch"): 2, ("scan", "triton"): 2}, probes.ran()  # forward, recompute
+    want = _fwd_bwd(m, x, amp=False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5 * max(1.0, w.abs().max().item()), rtol=1e-5)
 
 
 def _scan_inputs(batch=2, dim=32, L=200, N=16, dtype=torch.float32):
