@@ -1,7 +1,10 @@
 """Repository-wide pytest setup: the repo root is importable, so cross-system tests share `tests/systems.py`;
-the Triton interpreter runs Triton kernels where there is no GPU; and a selected `cuda` test FAILS on a
-machine where CUDA does not work, so a GPU job cannot be green while testing nothing. (The default
-`-m 'not slow and not cuda'` deselects them; `pytest -m cuda` selects them.)"""
+the Triton interpreter runs Triton kernels where there is no GPU; and a selected GPU test FAILS where what
+it needs does not work, so a GPU job cannot be green while testing nothing. A `cuda` test needs CUDA; a
+`cuda_kernels("mamba_ssm", ...)` test also needs those kernels of the cuda extra (memfit.ops.registry's
+record names; no names: all of them) installed and passing their probes. The default
+`-m 'not slow and not cuda and not cuda_kernels'` deselects both; `pytest -m cuda` and
+`pytest -m cuda_kernels` select them."""
 
 import os
 import sys
@@ -18,13 +21,40 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def missing_kernels(names: tuple[str, ...]) -> list[str]:
+    """Why each kernel of the cuda extra among `names` (all of them when empty) cannot run on this GPU."""
+    from memfit.ops import registry
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    wanted = set(names) or registry.extra_kernels()
+    unknown = wanted - registry.extra_kernels()
+    if unknown:
+        raise ValueError(f"cuda_kernels names {sorted(unknown)}: not kernels of the cuda extra")
+    problems = []
+    for impl in registry.RECORDS:
+        if impl.name in wanted and impl.package:
+            res = registry.probe(impl, device)
+            if not res.ok:
+                problems.append(f"{impl.package} ({impl.op}): {res.detail}")
+    return problems
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item):
-    # a wrapper runs before every other setup hook, skipif marks included: a `cuda` test fails here
-    if "cuda" in item.keywords:
+    # a wrapper runs before every other setup hook, skipif marks included: a GPU test fails here
+    marks = [m for m in ("cuda", "cuda_kernels") if m in item.keywords]
+    if marks:
         from memfit.ops.doctor import cuda_state
 
         ok, why = cuda_state()
         if not ok:
-            pytest.fail(f"a `cuda` test needs CUDA: {why} (`uv run memfit doctor` says more)", pytrace=False)
+            why = f"a `{marks[-1]}` test needs CUDA: {why} (`uv run memfit doctor` says more)"
+            pytest.fail(why, pytrace=False)
+    for mark in item.iter_markers("cuda_kernels"):
+        if problems := missing_kernels(mark.args):
+            pytest.fail(
+                "a `cuda_kernels` test needs the cuda extra's kernels (README, GPU: the two-step install): "
+                + "; ".join(problems),
+                pytrace=False,
+            )
     return (yield)

@@ -1,7 +1,8 @@
-"""On a GPU, with the cuda extra installed (`pytest -m cuda`; the GPU CI job runs `memfit doctor
---require-cuda` first). Every test asserts which kernel ran (memfit.ops.registry.ran), so a missing or
-unusable
-kernel fails here instead of passing on the PyTorch path. Without CUDA these tests fail (conftest.py)."""
+"""On a GPU. `pytest -m cuda`: the paths a GPU takes without the cuda extra (the Triton scan, conv1d), on
+any GPU machine (the extra's kernels are switched off for them, MEMFIT_DISABLE); `pytest -m cuda_kernels`:
+the extra's kernels (the kernels CI job builds them). Every test asserts which implementation ran
+(memfit.ops.registry.ran), so a path that did not run fails here instead of passing on another one. Without
+CUDA, or without the kernels a `cuda_kernels` test names, the selected tests fail (conftest.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,8 @@ from memfit.train.loop import Trainer, WarmupCosine, step_generator
 from memfit.train.settings import LoopConfig, TrainRun
 from torch import nn
 
-pytestmark = pytest.mark.cuda
-
-KERNELS = {("conv", "causal_conv1d"): 1, ("scan", "mamba_ssm"): 1}
+KERNELS = {("conv", "causal_conv1d"): 1, ("scan", "mamba_ssm"): 1}  # the cuda extra's
+DEFAULT = {("conv", "torch"): 1, ("scan", "triton"): 1}  # a GPU without it
 
 
 @pytest.fixture(autouse=True)
@@ -32,34 +32,72 @@ def _fresh():
     yield
 
 
+@pytest.fixture
+def no_extra(monkeypatch):
+    """A GPU as most users have it: the cuda extra's kernels off, wherever it is installed."""
+    monkeypatch.setenv("MEMFIT_DISABLE", ",".join(sorted(probes.extra_kernels())))
+
+
 def _block(d_model=64, seed=0, **kw):
     torch.manual_seed(seed)
     return Mamba(MambaConfig(d_model=d_model, d_state=16, **kw)).cuda()
 
 
-def _fwd_bwd(m, x, amp):
+def _fwd_bwd(m, x, amp, params=None):
     """Output and the gradients of the input and every parameter, with the block's own (strided) inputs."""
-    m.zero_grad(set_to_none=True)
+    params = list(m.parameters() if params is None else params)
+    for p in params:
+        p.grad = None
     x = x.detach().requires_grad_(True)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
         y = m(x)
     (y.float() * torch.linspace(-1, 1, y.shape[-1], device="cuda")).sum().backward()
-    return [y.float(), x.grad.float()] + [p.grad.float() for p in m.parameters()]
+    return [y.float(), x.grad.float()] + [p.grad.float() for p in params]
 
 
 @pytest.mark.parametrize("amp", [False, True], ids=["fp32", "bf16"])
-def test_mamba_block_kernels_match_the_pytorch_path(amp):
-    """conv (causal-conv1d, channels-last view of in_proj's output) + scan (mamba_ssm) against F.conv1d +
-    the torch-op scan, forward and every gradient, in fp32 and under bf16 autocast."""
+@pytest.mark.parametrize(
+    "paths",
+    [pytest.param(KERNELS, marks=pytest.mark.cuda_kernels("causal_conv1d", "mamba_ssm"), id="extra"),
+     pytest.param(DEFAULT, marks=pytest.mark.cuda, id="triton")],
+)  # fmt: skip
+def test_mamba_block_on_cuda_matches_the_pytorch_path(paths, amp, request):
+    """The block's conv (causal-conv1d on a channels-last view of in_proj's output; else conv1d) and scan
+    (mamba_ssm; else the Triton scan) against F.conv1d + the torch-op scan, forward and every gradient, in
+    fp32 and under bf16 autocast."""
+    if paths is DEFAULT:
+        request.getfixturevalue("no_extra")
     m = _block()
     x = torch.randn(4, 300, 64, device="cuda")
     got = _fwd_bwd(m, x, amp)
-    assert probes.ran() == KERNELS, probes.ran()
+    assert probes.ran() == paths, probes.ran()
     m.config.use_kernels = False
     want = _fwd_bwd(m, x, amp)
     tol = 3e-2 if amp else 2e-4
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=tol * max(1.0, w.abs().max().item()), rtol=tol)
+
+
+@pytest.mark.cuda
+def test_a_first_call_inside_activation_checkpointing_takes_the_triton_scan(no_extra):
+    """The Triton scan's probe runs at the first call, here inside activation checkpointing (mbsnet's GPU
+    recipe): it passes (its graph apart from the checkpoint's), and the step matches one without
+    checkpointing."""
+    import warnings
+
+    from memfit.ops.layers import checkpointed
+
+    probes.reset(probes=True)  # the probe runs now, inside the checkpoint
+    m = _block()
+    x = torch.randn(2, 100, 64, device="cuda")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        got = _fwd_bwd(lambda t: checkpointed(m, t, enabled=True), x, amp=False, params=m.parameters())
+    assert not [w for w in said if "memfit:" in str(w.message)]  # a failed probe says so
+    assert probes.ran() == {("conv", "torch"): 2, ("scan", "triton"): 2}, probes.ran()  # forward, recompute
+    want = _fwd_bwd(m, x, amp=False)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5 * max(1.0, w.abs().max().item()), rtol=1e-5)
 
 
 def _scan_inputs(batch=2, dim=32, L=200, N=16, dtype=torch.float32):
@@ -82,21 +120,32 @@ def _scan_grads(fn, inputs, last=False, **kw):
     return [out[0] if last else out] + ([out[1]] if last else []) + [t.grad for t in inputs]
 
 
-@pytest.mark.parametrize("use_kernels", [True, False], ids=["mamba_ssm", "torch-op"])
-def test_scan_on_cuda_matches_the_reference(use_kernels):
+@pytest.mark.parametrize(
+    ("path", "use_kernels"),
+    [pytest.param("mamba_ssm", True, marks=pytest.mark.cuda_kernels("mamba_ssm"), id="mamba_ssm"),
+     pytest.param("triton", True, marks=pytest.mark.cuda, id="triton"),
+     pytest.param("torch", False, marks=pytest.mark.cuda, id="torch-op")],
+)  # fmt: skip
+def test_scan_on_cuda_matches_the_reference(path, use_kernels, request):
+    """mamba_ssm's kernel (the extra), the Triton scan (the CUDA default without it) and, use_kernels=False,
+    the torch-op scan."""
+    if path == "triton":
+        request.getfixturevalue("no_extra")
     inputs = _scan_inputs()
     got = _scan_grads(selective_scan, inputs, use_kernels=use_kernels)
-    assert probes.ran("scan") == ({"mamba_ssm": 1} if use_kernels else {})  # use_kernels=False: torch-op
+    assert probes.ran("scan") == {path: 1}
     want = _scan_grads(selective_scan_ref, inputs)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-3 * max(1.0, w.abs().max().item()), rtol=1e-3)
 
 
+@pytest.mark.cuda
 def test_last_state_gradient_on_cuda():
-    """mamba_ssm drops the last state's gradient: such a call takes the torch-op path, which keeps it."""
+    """A call whose last state needs a gradient takes the Triton scan, which keeps it (mamba_ssm, installed
+    or not, drops it: the registry passes such a call on)."""
     inputs = _scan_inputs(L=100)
     got = _scan_grads(selective_scan, inputs, last=True)
-    assert probes.ran("scan") == {"torch": 1}
+    assert probes.ran("scan") == {"triton": 1}
     want = _scan_grads(selective_scan_ref, inputs, last=True)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-3 * max(1.0, w.abs().max().item()), rtol=1e-3)
@@ -142,11 +191,14 @@ def _trainer(run_dir, steps, resume=False, compile=False, amp="bf16"):
                    lr_schedule=WarmupCosine(2, total_steps=8), config={}, run_dir=run_dir)  # fmt: skip
 
 
-def test_resume_on_cuda_gives_identical_weights(tmp_path):
-    """A checkpoint written on the GPU (its RNG state loaded onto the GPU) resumes to the same weights."""
+@pytest.mark.cuda
+def test_resume_on_cuda_gives_identical_weights(tmp_path, no_extra):
+    """A checkpoint written on the GPU (its RNG state loaded onto the GPU) resumes to the same weights. The
+    model is built on the CPU: the Trainer moves it (and each batch) to its device."""
     full = _trainer(tmp_path / "full", steps=8)
     full.fit()
-    assert probes.ran()[("scan", "mamba_ssm")] > 0 and probes.ran()[("conv", "causal_conv1d")] > 0
+    assert next(full.raw_model.parameters()).device == torch.device("cuda", torch.cuda.current_device())
+    assert probes.ran("scan").keys() == {"triton"} and probes.ran("conv").keys() == {"torch"}, probes.ran()
     part = _trainer(tmp_path / "part", steps=7)
     part.fit()
     for p in list_checkpoints(tmp_path / "part"):
@@ -156,14 +208,16 @@ def test_resume_on_cuda_gives_identical_weights(tmp_path):
     assert resumed.step == 6
     resumed.fit()
     for a, b in zip(full.raw_model.parameters(), resumed.raw_model.parameters()):
-        # mamba_ssm's backward accumulates dB/dC with atomics: not bit-reproducible, hence the tolerance
+        # the Triton backward accumulates dB/dC with atomics: not bit-reproducible, hence the tolerance
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
 
 
-def test_compile_on_cuda_trains_like_eager(tmp_path):
+@pytest.mark.cuda
+def test_compile_on_cuda_trains_like_eager(tmp_path, no_extra):
+    """--compile: the Triton scan's ops are opaque nodes of the compiled graph."""
     eager = _trainer(tmp_path / "eager", steps=4, amp="none")
     eager.fit()
-    assert probes.ran("scan") == {"mamba_ssm": 4} and probes.ran("conv") == {"causal_conv1d": 4}
+    assert probes.ran("scan") == {"triton": 4} and probes.ran("conv") == {"torch": 4}, probes.ran()
     compiled = _trainer(tmp_path / "compiled", steps=4, compile=True, amp="none")
     compiled.fit()
     for a, b in zip(eager.raw_model.parameters(), compiled.raw_model.parameters()):
@@ -189,7 +243,7 @@ DDP_SCRIPT = textwrap.dedent(
     t = Trainer(model, opt, loss_fn, get, TrainRun.of(cfg), run_dir={run_dir!r})
     t.fit()
     assert next(t.raw_model.parameters()).device == torch.device("cuda", info.local_rank)
-    assert probes.ran("scan") == {{"mamba_ssm": 4}}, probes.ran()
+    assert probes.ran("scan") == {{"triton": 4}}, probes.ran()
     if info.rank == 0:
         torch.save([p.detach().cpu() for p in t.raw_model.parameters()], {out!r})
     """
@@ -213,8 +267,9 @@ def _run(tmp_path, nproc):
     return torch.load(out)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP on GPUs needs 2 of them")
-def test_ddp_on_two_gpus_equals_one_gpu_with_double_batch(tmp_path):
+def test_ddp_on_two_gpus_equals_one_gpu_with_double_batch(tmp_path, no_extra):
     """torchrun, NCCL, --device cuda: rank r on cuda:r; 2 x 4 samples == 1 x 8 samples."""
     two, one = _run(tmp_path, 2), _run(tmp_path, 1)
     for a, b in zip(two, one):

@@ -237,6 +237,25 @@ def test_probes_are_cached_and_leave_the_rng_alone(gpu):
     assert len(calls) == 1 + 3  # one probe call, then the three real ones
 
 
+@pytest.mark.parametrize("kernel", ["mamba_ssm", "triton"])
+def test_a_first_call_inside_activation_checkpointing_probes_apart(gpu, kernel):
+    """A model's first scan often runs inside activation checkpointing (mbsnet's GPU recipe): the kernel's
+    probe runs then, with its own graph. Given the checkpoint's, its backward would recompute the block in
+    the middle of its forward (the probe fails), and the recomputation, probe cached, would save fewer
+    tensors than the forward did (CheckpointError)."""
+    from memfit.ops.layers import checkpointed
+
+    install(gpu, kernel, fake_scan if kernel == "mamba_ssm" else lambda *a, chunk_size: fake_scan(*a))
+    m, x = block()
+    (y, gx), said = warnings_of(lambda: run_block(lambda t: checkpointed(m, t, enabled=True), x))
+    assert said == []  # the probe passed: no warning, no fallback
+    assert probes.ran("scan") == {kernel: 2}  # the forward and its recomputation
+    x2 = x.detach().requires_grad_(True)
+    y2, gx2 = run_block(m, x2)
+    torch.testing.assert_close(y, y2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gx, gx2, atol=1e-5, rtol=1e-5)
+
+
 def test_no_kernels_installed_is_quiet(gpu):
     m, x = block()
     _, said = warnings_of(lambda: run_block(m, x))

@@ -80,7 +80,7 @@ def run_threads(inputs, use, *counts, **kw):
 def _weights(o: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     """Random weights for an output, laid out like it (so the output's gradient is too: a channel-stride-1
     output gets a channel-stride-1 gradient, as out_proj gives a Mamba block's scan)."""
-    w = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)
+    w = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.device, o.dtype)
     if o.dim() == 3 and o.stride(1) == 1 and o.shape[1] > 1:
         w = w.transpose(1, 2).contiguous().transpose(1, 2)
     return w
@@ -409,12 +409,16 @@ def test_bad_chunk_size():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_matches_reference():
-    """On CUDA (mamba_ssm's kernel when installed, else the chunked path) against the reference."""
+    """On CUDA (the registry's choice: the Triton scan, or mamba_ssm's kernel with the cuda extra) against
+    the reference, with every tensor of the call and its gradient weights on the GPU."""
+    from memfit.ops import registry
+
     inputs = {k: v.float().cuda() for k, v in make_inputs(batch=2, dim=16, L=100, N=8).items()}
     use = {"z": True, "D": True, "delta_bias": True}
+    registry.reset()
     ours = run(selective_scan, inputs, use, True, False)
+    assert set(registry.ran("scan")) in ({"triton"}, {"mamba_ssm"}) and ours[0][0].is_cuda, registry.ran()
     ref = run(selective_scan_ref, inputs, use, True, False)
     assert_close(*ours, *ref, rtol=1e-3)
 

@@ -40,7 +40,7 @@ def look_at(
     forward = F.normalize(target - eye, dim=-1)
     right = F.normalize(torch.linalg.cross(forward, up, dim=-1), dim=-1)
     down = torch.linalg.cross(forward, right, dim=-1)
-    c2w = torch.zeros(*eye.shape[:-1], 4, 4, dtype=eye.dtype)
+    c2w = eye.new_zeros(*eye.shape[:-1], 4, 4)
     c2w[..., :3, 0], c2w[..., :3, 1], c2w[..., :3, 2], c2w[..., :3, 3] = right, down, forward, eye
     c2w[..., 3, 3] = 1.0
     return c2w
@@ -68,7 +68,9 @@ def image_rays(
     K: torch.Tensor, c2w: torch.Tensor, height: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rays through every pixel centre, row-major -> origins, directions (..., H*W, 3)."""
-    ys, xs = torch.meshgrid(torch.arange(height) + 0.5, torch.arange(width) + 0.5, indexing="ij")
+    ys, xs = torch.meshgrid(
+        torch.arange(height, device=K.device) + 0.5, torch.arange(width, device=K.device) + 0.5, indexing="ij"
+    )
     pixels = torch.stack([xs, ys], dim=-1).reshape(-1, 2).to(K.dtype)
     return pixel_rays(K, c2w, pixels)
 

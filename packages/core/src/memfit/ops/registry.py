@@ -416,10 +416,20 @@ def _fall_back(impl: Impl, reason: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _run_probe(impl: Impl, fn: Callable, device: torch.device) -> ProbeResult:
+    """The probe, apart from the call that asked for it: no autocast, gradients on, and the probe's graph
+    keeps its own tensors (saved-tensor hooks of its own). A model's first call often runs inside
+    activation checkpointing, whose hooks would otherwise take the probe's tensors: its backward would
+    recompute the model in the middle of its forward, and the recomputation (probe cached) would save fewer
+    tensors than the forward did."""
     try:
         check = resolve(impl.probe)
-        with torch.autocast(device.type, enabled=False), torch.enable_grad():
+        with (torch.autocast(device.type, enabled=False), torch.enable_grad(),
+              torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is)):  # fmt: skip
             ok, detail = check(fn, device)
         return ProbeResult(ok, detail)
     except Exception as e:  # noqa: BLE001 - any failure of the kernel means: do not use it
