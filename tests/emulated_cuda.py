@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -364,6 +365,7 @@ def _cuda_functions() -> dict[str, Any]:
         "get_device_capability": lambda *a: (9, 0),
         "is_bf16_supported": lambda *a, **k: True,
         "synchronize": nothing,
+        "Event": _Event,
         "is_current_stream_capturing": lambda: False,
         "empty_cache": nothing,
         "memory_allocated": zero,
@@ -384,6 +386,22 @@ def _cuda_functions() -> dict[str, Any]:
         "seed_all": nothing,
         "initial_seed": lambda: torch.initial_seed(),
     }
+
+
+class _Event:
+    """torch.cuda.Event on the host clock (the GPU's work runs on the CPU, synchronously)."""
+
+    def __init__(self, enable_timing: bool = False, **kwargs) -> None:
+        self.at = None
+
+    def record(self, stream=None) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.at - self.at) * 1e3
 
 
 def _function_apply():

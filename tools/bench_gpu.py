@@ -238,15 +238,21 @@ def measure_step(step, device, warmup, repeats) -> dict:
     return out
 
 
-def estimate_gib(step, device) -> float:
-    """`memfit budget --device cuda`'s figure for this step on this GPU's kernels."""
+def estimate_gib(step, device) -> dict:
+    """`memfit budget --device cuda`'s figures for this step on this GPU's kernels: the allocator peak, and
+    (where the estimator models them) the reserved peak and the card total."""
     from memfit.estimate.memory import estimate_training_step
     from memfit.estimate.rules import assume_kernels
     from memfit.ops import registry
 
     kernels = registry.kernels_on(device) if device.type == "cuda" else frozenset()
     with assume_kernels(kernels):
-        return estimate_training_step(step, device="cuda").peak_bytes / 2**30
+        report = estimate_training_step(step, device="cuda")
+    out = {"estimate_gib": report.peak_bytes / 2**30}
+    if getattr(report, "cuda", None) is not None:
+        out["estimate_reserved_gib"] = report.cuda.reserved / 2**30
+        out["estimate_total_gib"] = report.cuda.total / 2**30
+    return out
 
 
 def system_part(systems, device, warmup, repeats, smoke=False) -> list[dict]:
@@ -262,7 +268,7 @@ def system_part(systems, device, warmup, repeats, smoke=False) -> list[dict]:
             row = {"system": name, "variant": entry.variant, "batch": entry.batch}
             try:
                 row |= measure_step(step, device, warmup, repeats)
-                row["estimate_gib"] = estimate_gib(step, device)
+                row |= estimate_gib(step, device)
             except torch.OutOfMemoryError as e:
                 row["error"] = f"out of memory: {str(e).splitlines()[0][:120]}"
                 torch.cuda.empty_cache()
@@ -392,8 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         save()
     if "systems" in parts:
         report["systems"] = system_part(args.systems.split(","), device, warmup, repeats, smoke=args.smoke)
-        cols = ["system", "variant", "batch", "ms", "allocated_peak_gib", "reserved_peak_gib", "estimate_gib",
-                "error"]  # fmt: skip
+        cols = ["system", "variant", "batch", "ms", "allocated_peak_gib", "estimate_gib", "reserved_peak_gib",
+                "estimate_reserved_gib", "error"]  # fmt: skip
         print("\n(b) paper-size training steps\n" + table(report["systems"], cols))
         save()
     if "attention" in parts:

@@ -488,20 +488,22 @@ def _candidates(q, k, v) -> list[str]:
 
 def _time_candidate(name: str, q, k, v, window: int, scale, backward: bool) -> float:
     """Median ms of fwd (+bwd) of candidate ``name`` on copies of q, k, v (its first call, which may
-    compile, is not timed)."""
+    compile, is not timed). The trial keeps its own graph: the first call of a shape often comes inside
+    activation checkpointing (registry.own_graph)."""
     fn = CUDA_WINDOW_CANDIDATES[name]
     leaves = [t.detach().requires_grad_(backward) for t in (q, k, v)]
     times = []
-    for i in range(TUNE_REPEATS + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn(*leaves, window, scale)
-        if backward:
-            out.backward(torch.ones_like(out))
-        end.record()
-        end.synchronize()
-        if i:
-            times.append(start.elapsed_time(end))
+    with registry.own_graph():
+        for i in range(TUNE_REPEATS + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*leaves, window, scale)
+            if backward:
+                out.backward(torch.ones_like(out))
+            end.record()
+            end.synchronize()
+            if i:
+                times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
 
 

@@ -420,6 +420,15 @@ def _as_is(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+@contextlib.contextmanager
+def own_graph() -> Iterator[None]:
+    """Gradients on, and a graph that keeps its own saved tensors (saved-tensor hooks of its own): for the
+    trial calls a dispatch makes (a probe, a timing) in the middle of a model's forward, which may run
+    inside activation checkpointing, whose hooks would otherwise take the trial's tensors."""
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+        yield
+
+
 def _run_probe(impl: Impl, fn: Callable, device: torch.device) -> ProbeResult:
     """The probe, apart from the call that asked for it: no autocast, gradients on, and the probe's graph
     keeps its own tensors (saved-tensor hooks of its own). A model's first call often runs inside
@@ -428,8 +437,7 @@ def _run_probe(impl: Impl, fn: Callable, device: torch.device) -> ProbeResult:
     tensors than the forward did."""
     try:
         check = resolve(impl.probe)
-        with (torch.autocast(device.type, enabled=False), torch.enable_grad(),
-              torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is)):  # fmt: skip
+        with torch.autocast(device.type, enabled=False), own_graph():
             ok, detail = check(fn, device)
         return ProbeResult(ok, detail)
     except Exception as e:  # noqa: BLE001 - any failure of the kernel means: do not use it
