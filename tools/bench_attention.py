@@ -29,8 +29,10 @@ import math
 import time
 
 import torch
+from memfit.errors import UsageError
 from memfit.estimate.memory import measure_peak
 from memfit.ops.attention import attention, select_backend
+from memfit.train.flags import Parser
 
 MIB = 2**20
 
@@ -109,7 +111,7 @@ def fit_exponent(xs, ys):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small run (seconds)")
     p.add_argument("--seq", type=int, default=None, help="headline length T (default 8192; quick 2048)")
     p.add_argument("--window", type=int, default=256)
@@ -138,7 +140,7 @@ def main(argv=None):
     Ts = [int(t) for t in (args.scaling or default_scaling).split(",")]
     B, D, w = args.batch, args.head_dim, args.window
     if min(Ts + [T]) <= w:
-        raise SystemExit(f"every length must exceed the window ({w}) for the window path to matter")
+        raise UsageError(f"error: every length must exceed the window ({w}) for the window path to matter")
     torch.set_num_threads(args.threads)
 
     def window_fn(q, k, v):
@@ -207,5 +209,7 @@ def main(argv=None):
         print(f"\nwrote {args.json}")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("bench_attention", lambda argv: main(argv)))

@@ -17,10 +17,12 @@ Every figure printed comes from this run; ratios are taken within the run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
+
+from memfit.errors import UsageError
+from memfit.train.flags import Parser
 
 REPO = Path(__file__).resolve().parents[1]
 SHAKESPEARE = REPO / ".." / "shared" / "data" / "text" / "tinyshakespeare.txt"
@@ -164,7 +166,7 @@ def side_by_side(data: Path, runs_dir: str, seeds: list[int]) -> dict:
     import statistics
 
     if not data.exists():
-        raise SystemExit(f"{data} not found; pass --data path/to/tinyshakespeare.txt")
+        raise UsageError(f"error: {data} not found; pass --data path/to/tinyshakespeare.txt")
     rows = {"nanogpt_ref": [], "causal": [], "window16": []}
     for seed in seeds:
         t = time.perf_counter()
@@ -188,7 +190,7 @@ def bench_quality(data: Path, runs_dir: str, amp: str, model: str, seed: int) ->
     from gpt2_window.train import run as train_run
 
     if not data.exists():
-        raise SystemExit(f"{data} not found; pass --data path/to/tinyshakespeare.txt")
+        raise UsageError(f"error: {data} not found; pass --data path/to/tinyshakespeare.txt")
     name = f"nanogpt-cpu-{model}-seed{seed}"
     argv = [
         *NANOGPT_CPU,
@@ -223,7 +225,7 @@ def bench_quality(data: Path, runs_dir: str, amp: str, model: str, seed: int) ->
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
     sub.add_parser("memory")
     sp = sub.add_parser("speed")
@@ -245,8 +247,7 @@ def main() -> None:
     q.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = p.parse_args()
     if getattr(args, "threads", 1) < 1:
-        print("bench_gpt2: --threads must be >= 1")
-        raise SystemExit(2)
+        raise UsageError("error: --threads must be >= 1")
     if args.what in ("side-by-side", "quality"):
         import torch
 
@@ -261,5 +262,7 @@ def main() -> None:
         bench_quality(args.data, args.runs_dir, args.amp, args.model, args.seed)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("bench_gpt2", lambda _argv: main()))

@@ -27,7 +27,6 @@ Timings are CUDA-event medians after warm-up (Triton compiles, Flex compiles); e
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
@@ -38,8 +37,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from memfit.errors import UsageError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memfit.train.flags import Parser
 from ssd_reference import ssd_scan  # noqa: E402
 
 SYSTEMS = {"ginr-cifar": "ginr_cifar", "gpt2-window": "gpt2_window", "mbsnet-speech": "mbsnet_speech",
@@ -352,7 +353,7 @@ def table(rows: list[dict], cols: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_gpu.json", help="the JSON file to write (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (~2 minutes)")
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks that the script runs")
@@ -362,9 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
-        print("bench_gpu: error: no CUDA GPU here (uv run memfit doctor says why); --smoke runs on the CPU",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        raise UsageError("error: no CUDA GPU here (uv run memfit doctor says why); --smoke runs on the CPU")
     else:
         device = torch.device("cuda", torch.cuda.current_device())
     from memfit.ops import attention as A
@@ -427,5 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("bench_gpu", main))

@@ -28,14 +28,16 @@ import time
 import torch
 from mbsnet_speech.config import SETTINGS, default_config, tiny_config
 from mbsnet_speech.system import train_step
+from memfit.errors import UsageError
 from memfit.train.cpu import keep_freed_memory, minor_page_faults
+from memfit.train.flags import Parser
 
 
 def main(argv=None) -> None:
     cpu = torch.device("cpu")
     paper, recipe = SETTINGS["default"](cpu), SETTINGS["cpu"](cpu)  # what mbsnet-train runs on a CPU
     general = SETTINGS["general"](cpu)  # the generalising recipe (--config general)
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's choice, all cores; on 2 cores 2 threads measured "
                         "faster than 1: 8.3 s vs 14.3 s per step, 2026-11-22)")  # fmt: skip
@@ -55,8 +57,7 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="print the top ops of one more step")
     args = p.parse_args(argv)
     if args.quick and args.recipe:
-        print("bench_mbsnet: --quick and --recipe are two different models; give one")
-        raise SystemExit(2)
+        raise UsageError("error: --quick and --recipe are two different models; give one")
     if args.batch is None:
         args.batch = general.train.batch_size if args.recipe else 6
     if args.seconds is None:
@@ -67,8 +68,7 @@ def main(argv=None) -> None:
         or args.batch < 1
         or args.seconds <= 0
     ):
-        print("bench_mbsnet: --threads, --steps and --batch must be >= 1 and --seconds > 0")
-        raise SystemExit(2)
+        raise UsageError("error: --threads, --steps and --batch must be >= 1 and --seconds > 0")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     malloc = "reusing freed blocks" if keep_freed_memory() else "malloc defaults"
@@ -124,5 +124,7 @@ def main(argv=None) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("bench_mbsnet", lambda argv: main(argv)))

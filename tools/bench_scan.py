@@ -40,7 +40,6 @@ backward, AdamW on random audio) with the kernel's lane path and with its sequen
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -56,6 +55,8 @@ from memfit.ops.scan import auto_chunk_size, selective_scan, selective_scan_ref
 from memfit.ops.scan import cpu as ssm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memfit.errors import UsageError
+from memfit.train.flags import Parser
 from ssd_reference import ssd_scan  # noqa: E402
 
 SIZES = [(60, 256, 200, 16), (1, 1536, 512, 16), (1, 1536, 2048, 16)]
@@ -256,7 +257,7 @@ def parse_size(text: str) -> tuple[int, int, int, int]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--sizes", help="comma-separated BxDxLxN (default: the three reference sizes)")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -271,11 +272,11 @@ def main(argv=None) -> None:
     try:
         args.sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else None
     except ValueError as e:
-        print(f"bench_scan: --sizes wants BxDxLxN with positive integers, e.g. 60x256x200x16; got {e}")
-        raise SystemExit(2) from None
+        raise UsageError(
+            f"error: --sizes wants BxDxLxN with positive integers, e.g. 60x256x200x16; got {e}"
+        ) from None
     if args.repeat < 1 or args.threads < 1:
-        print("bench_scan: --repeat and --threads must be at least 1")
-        raise SystemExit(2)
+        raise UsageError("error: --repeat and --threads must be at least 1")
     if args.quick:
         args.sizes, args.repeat = [(8, 128, 64, 16)], 3
     torch.set_num_threads(args.threads)
@@ -294,5 +295,7 @@ def main(argv=None) -> None:
             json.dump({"threads": torch.get_num_threads(), "sizes": out}, f, indent=2)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("bench_scan", lambda argv: main(argv)))

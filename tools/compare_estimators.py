@@ -10,13 +10,13 @@ is installed here, and neither sees activations. Numbers of docs/your-own-model.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torchvision
 from memfit.estimate import make_target
 from memfit.estimate.memory import MIB, estimate_training_step, measure_training_step, memtracker_peak
+from memfit.train.flags import Parser
 
 
 def timed(fn):
@@ -26,7 +26,7 @@ def timed(fn):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="resnet18", help="a torchvision.models factory")
     p.add_argument("--input", default="8x3x224x224")
     p.add_argument("--threads", type=int, default=1)
@@ -51,5 +51,7 @@ def main() -> None:
     print(f"DeepSpeed's rule           {16 * n / MIB:9.1f} MiB  (16 B per parameter)")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("compare_estimators", lambda _argv: main()))

@@ -13,11 +13,9 @@ packages/core/tests/test_zoo.py runs.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from memfit.estimate.memory import TrainStep, default_optimizer  # noqa: E402
+from memfit.train.flags import Parser
 from torch import nn  # noqa: E402
 
 MEASURE_LIMIT = 400e6  # parameters: above this a real two-step run needs > 6 GiB; estimate only
@@ -496,7 +495,7 @@ def summary(rows: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--only", help="comma-separated names (e.g. resnet18,timm:convnext_atto,tf:gpt2)")
     p.add_argument("--family", help="only this family: nn, torchvision, timm, transformers")
     p.add_argument("--no-measure", action="store_true", help="estimate only")
@@ -558,5 +557,7 @@ transformers {transformers.__version__}, Python {platform.python_version()}, 1 t
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("estimate_zoo", lambda argv: main(argv)))

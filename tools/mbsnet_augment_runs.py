@@ -12,11 +12,12 @@ work off the core it runs on.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from memfit.train.flags import Parser
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
 VARIANTS = {
@@ -37,7 +38,7 @@ def best_eval(run_dir: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=6.0)
     ap.add_argument(
         "--only", default=",".join(VARIANTS), help="comma-separated variants: " + ", ".join(VARIANTS)
@@ -89,5 +90,7 @@ def main() -> None:
         )
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mbsnet_augment_runs", lambda _argv: main()))

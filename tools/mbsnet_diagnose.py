@@ -11,7 +11,6 @@ quiet residual on this speech). One thread; PCS off.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +18,14 @@ import torch
 from mbsnet_speech.data import find_pairs, mix
 from mbsnet_speech.metrics import pesq_score
 from mbsnet_speech.system import SYSTEM
+from memfit.train.flags import Parser
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "speech-tts"
 OCTAVES = ((0, 1000), (1000, 2000), (2000, 4000), (4000, 8001))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("run")
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--files", type=int, default=14)
@@ -63,5 +63,7 @@ def main() -> None:
         print(f"  {name:18s} {v:.2f}")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mbsnet_diagnose", lambda _argv: main()))

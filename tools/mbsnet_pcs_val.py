@@ -26,11 +26,13 @@ from mbsnet_speech.data import SAMPLE_RATE
 from mbsnet_speech.eval import score_model
 from mbsnet_speech.system import SYSTEM
 from mbsnet_speech.train import build_data, freeze_phase_head
+from memfit.errors import UsageError
+from memfit.train.flags import Parser
 from memfit.train.settings import flatten, override
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", metavar="RUN")
     ap.add_argument("--files", type=int, help="validation files to score (none: the run's --val_files)")
     ap.add_argument("--keep", help="comma-separated shares of noisy input kept, e.g. 0,0.05")
@@ -44,7 +46,7 @@ def main() -> None:
     if a.files:
         t = replace(t, val_files=a.files)
     if a.pcs is not None and not (a.keep or a.shifts):
-        raise SystemExit("error: --pcs / --no-pcs go with --keep or --shifts (alone, both are scored)")
+        raise UsageError("error: --pcs / --no-pcs go with --keep or --shifts (alone, both are scored)")
     items = build_data(t, int(t.seconds * SAMPLE_RATE))[1]
     if a.keep or a.shifts:  # PCS as the run has it unless --pcs / --no-pcs
         pcs = {} if a.pcs is None else {"pcs": a.pcs}
@@ -74,5 +76,7 @@ def show(name: str, r: dict) -> None:
     print(f"  {name}: PESQ-wb {r['pesq']:.3f}  STOI {r['stoi']:.4f}  SI-SDR {r['si_sdr']:.2f} dB", flush=True)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mbsnet_pcs_val", lambda _argv: main()))

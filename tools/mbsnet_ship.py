@@ -16,10 +16,11 @@ from pathlib import Path
 from mbsnet_speech.enhance import inference_overrides, shipped_model
 from mbsnet_speech.system import SYSTEM
 from memfit.train.export import export_run, model_card
+from memfit.train.flags import Parser
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("run")
     ap.add_argument("--keep_noisy", type=float, default=0.0, help="share of noisy input kept (validation's)")
     ap.add_argument("--pcs", action=argparse.BooleanOptionalAction, default=None)
@@ -38,5 +39,7 @@ def main() -> None:
     print(f"shipped {a.run} as {out} ({sum(p.stat().st_size for p in Path(out).iterdir()) / 2**20:.2f} MiB)")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mbsnet_ship", lambda _argv: main()))

@@ -12,7 +12,6 @@ the fixed pairs (mbsnet_speech.data.PairRemix).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -26,13 +25,14 @@ from mbsnet_speech.eval import score_model
 from mbsnet_speech.losses import enhancement_loss
 from mbsnet_speech.model import MBSNet, count_params
 from mbsnet_speech.train import freeze_phase_head
+from memfit.train.flags import Parser
 from memfit.train.loop import ema_avg_fn
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "speech-tts"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--name", default="run")
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--minutes", type=float, default=4.0, help="CPU-time budget")
@@ -128,5 +128,7 @@ def report(a, model, items, noisy: dict, step: int, tag: str) -> None:
     )
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mbsnet_short_runs", lambda _argv: main()))

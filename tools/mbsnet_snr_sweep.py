@@ -9,17 +9,16 @@ lowering SI-SDR at high SNR: this shows where.
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
 import torch
 from mbsnet_speech.data import mix, read_wav
 from mbsnet_speech.enhance import enhance_array, load_model, model_fn, shipped_model
 from mbsnet_speech.metrics import all_metrics
+from memfit.train.flags import Parser
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = Parser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", nargs="*", default=None, help="runs, checkpoints or exported folders")
     ap.add_argument("--clean", default="../shared/data/speech/speech.wav")
     ap.add_argument("--snr", default="0,10,20,30", help="comma-separated SNRs in dB")
@@ -39,5 +38,7 @@ def main() -> None:
             )
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("mbsnet_snr_sweep", lambda _argv: main()))

@@ -87,5 +87,7 @@ def main() -> None:
     print(f"largest ratio: {worst:.2f}x (memfit.estimate.fit.CPU_OVERHEAD must be at least this)")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("preflight_overhead", lambda _argv: main()))

@@ -9,13 +9,14 @@ quiet machine (or say the load) when the times matter.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
+from memfit.train.flags import Parser
+
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = Parser()
     ap.add_argument("--system", action="append", help="only these systems (repeatable)")
     ap.add_argument("--variant", action="append", help="only these variants (repeatable)")
     ap.add_argument("--threads", type=int, default=1)
@@ -57,5 +58,7 @@ def main() -> None:
         prof.dump_stats(a.profile)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one line, exit 2, for bad input (memfit.errors.run_command)
+    from memfit.errors import run_command
+
+    raise SystemExit(run_command("time_budget", lambda _argv: main()))
