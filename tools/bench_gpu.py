@@ -221,7 +221,11 @@ def step_runner(step, device):
 
 
 def measure_step(step, device, warmup, repeats) -> dict:
-    """ms per step and the allocator/reserved peaks of steady-state steps (after ``warmup`` steps)."""
+    """ms per step and the allocator/reserved peaks of steady-state steps (after ``warmup`` steps). The
+    allocator's cache is emptied first: blocks an earlier part left cached would count as this step's
+    reserved memory."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     run, model = step_runner(step, device)
     for _ in range(warmup):
         run()
