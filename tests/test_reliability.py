@@ -624,3 +624,31 @@ def test_a_signal_during_the_start_up_imports_is_one_line(signum, status, says):
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=60)
     assert (proc.returncode, err) == (status, f"memfit: {says}\n"), (out, err)
+
+
+def test_preflight_keeps_the_margin_on_a_shared_machine(monkeypatch):
+    from memfit.errors import UsageError
+    from memfit.estimate import fit, preflight
+    from memfit.estimate.memory import TrainStep
+    from torch import nn
+
+    """The pre-flight once passed a step needing 22.17 of 22.33 GiB available: now the margin refuses it,
+    and the batch it names fits with the margin."""
+
+    def make(batch, ckpt):
+        return TrainStep(
+            build_model=lambda: nn.Linear(256, 256),
+            make_batch=lambda d: torch.randn(batch, 256, device=d),
+            loss=lambda m, x: m(x).square().mean(),
+            amp_dtype=None,
+        )
+
+    cpu = torch.device("cpu")
+    needed = preflight._needs(make, 4096, False, cpu)
+    monkeypatch.setattr(preflight, "available_bytes", lambda d: (int(needed * 22.33 / 22.17), "a test's RAM"))
+    with pytest.raises(UsageError, match=r"--batch_size (\d+) fits") as info:
+        preflight.preflight(make, 4096, False, cpu)
+    named = int(str(info.value).split("--batch_size ")[2].split(" fits")[0])
+    assert preflight._needs(make, named, False, cpu) <= fit.usable_bytes(needed * 22.33 / 22.17)
+    monkeypatch.setattr(preflight, "available_bytes", lambda d: (int(needed / 0.89), "a test's RAM"))
+    assert preflight.preflight(make, 4096, False, cpu).needed == needed
