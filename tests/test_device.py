@@ -330,7 +330,7 @@ def test_the_gpu_suite_runs_on_the_emulated_gpu(test, params, tmp_path, monkeypa
         monkeypatch.setenv("MEMFIT_DISABLE", ",".join(sorted(registry.extra_kernels())))
 
     request = types.SimpleNamespace(getfixturevalue=lambda name: no_extra())
-    fixtures = {"tmp_path": tmp_path, "no_extra": None, "request": request}
+    fixtures = {"tmp_path": tmp_path, "no_extra": None, "request": request, "monkeypatch": monkeypatch}
     wanted = inspect.signature(fn).parameters
     if "no_extra" in wanted:
         no_extra()
