@@ -8,7 +8,8 @@ import pytest
 from memfit.train import cpu
 
 # A Mamba forward + backward whose activations (44 and 89 MiB) are above malloc's largest mmap threshold
-# (32 MiB): prints the minor page faults of the last three of six steps, and whether the tuning is on.
+# (32 MiB): prints the median minor page faults of steps 4-9 (a step's own: a one-off trim or compaction in
+# one step of a run showed up to 30,000 faults in the sum of three), and whether the tuning is on.
 _PROBE = """
 import sys, torch
 from memfit.train import cpu
@@ -19,11 +20,11 @@ torch.manual_seed(0)
 m = Mamba(MambaConfig(128, 16, 4, 1.5))
 x = torch.randn(90, 642, 128, requires_grad=True)
 faults = []
-for _ in range(6):
+for _ in range(9):
     before = cpu.minor_page_faults()
     m(x).square().mean().backward()
     faults.append(cpu.minor_page_faults() - before)
-print(sum(faults[3:]), on)
+print(sorted(faults[3:])[3], on)
 """
 
 
@@ -39,8 +40,9 @@ def test_keep_freed_memory_stops_refaulting_a_training_steps_blocks():
     if on != "True":
         pytest.skip("no glibc mallopt here")
     plain, _ = _faults(False)
-    # measured (last three steps): 310,000-810,000 faults plain (1.2-3.2 GiB of pages), 0-32,000 tuned
-    assert plain > 100_000
+    # measured (the sum of the last three of six steps): 160,000-810,000 faults plain (0.6-3.2 GiB of pages),
+    # 0-32,000 tuned; a step's median: plain about a third of those, tuned 0
+    assert plain > 30_000
     assert tuned < 0.2 * plain
 
 
