@@ -3,6 +3,7 @@ causal_conv1d_fn and flash_attn_func), for tests that fake a GPU (packages/core/
 
 import torch.nn.functional as F
 from memfit.ops import attention as A
+from memfit.ops import registry
 from memfit.ops import scan as ssm
 
 
@@ -25,10 +26,7 @@ def fake_flash(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
 # The registry's load specs of the CUDA kernels, and adapters from the functions above (the kernels' own
 # signatures) to the registry's calling conventions.
 SPECS = {
-    "mamba_ssm": "memfit.ops.scan.mamba_ssm:selective_scan",
-    "triton": "memfit.ops.scan.triton:scan",
-    "causal_conv1d": "memfit.ops.causal_conv1d:conv_silu",
-    "flash": "memfit.ops.flash_attn:window_attention",
+    r.name: r.load for r in registry.RECORDS if r.name in ("mamba_ssm", "triton", "causal_conv1d", "flash")
 }
 
 

@@ -33,7 +33,7 @@ def conv_silu_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def conv_layout(x: torch.Tensor) -> torch.Tensor:
     """x as causal-conv1d takes it: a channels-last x whose batch/L strides are not multiples of 8 (a view
     into a wider tensor) is copied into a dense channels-last tensor, whose strides are dim and L*dim."""
-    if x.stride(1) == 1 and x.stride(2) > 1 and (x.stride(0) % 8 or x.stride(2) % 8):
+    if registry.channels_last(x) and (x.stride(0) % 8 or x.stride(2) % 8):
         return x.transpose(1, 2).contiguous().transpose(1, 2)
     return x
 

@@ -118,9 +118,9 @@ def _triton_scan_problem(u, delta, A, *args) -> str | None:
     return None
 
 
-def _channels_last(x: torch.Tensor) -> bool:
-    # causal-conv1d's own test: is_channel_last = x.stride(1) == 1 && x.stride(2) > 1 (the wrapper makes any
-    # x with neither stride 1 contiguous, i.e. L-contiguous)
+def channels_last(x: torch.Tensor) -> bool:
+    """causal-conv1d's own test: is_channel_last = x.stride(1) == 1 && x.stride(2) > 1 (the wrapper makes
+    any x with neither stride 1 contiguous, i.e. L-contiguous)."""
     return x.stride(1) == 1 and x.stride(2) > 1
 
 
@@ -136,7 +136,7 @@ def _causal_conv_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return f"dtypes {x.dtype}/{weight.dtype}; the kernel takes fp32, fp16 or bf16"
     if bias is not None and bias.dtype != weight.dtype:
         return f"bias is {bias.dtype} and weight {weight.dtype}"
-    if _channels_last(x) and x.shape[1] % 8:
+    if channels_last(x) and x.shape[1] % 8:
         return f"{x.shape[1]} channels in channels-last layout; the kernel needs a multiple of 8"
     return None
 
@@ -361,20 +361,21 @@ def record(site: str, path: str) -> None:
         _ran[(site, path)] += 1
 
 
-def ran(site: str | None = None) -> dict:
-    """Calls per (site, path) since the last ``reset()``; with ``site``: {path: calls} for that site."""
+def _counts(counter: collections.Counter, site: str | None) -> dict:
     with _lock:
         if site is None:
-            return dict(_ran)
-        return {p: n for (s, p), n in _ran.items() if s == site}
+            return dict(counter)
+        return {p: n for (s, p), n in counter.items() if s == site}
+
+
+def ran(site: str | None = None) -> dict:
+    """Calls per (site, path) since the last ``reset()``; with ``site``: {path: calls} for that site."""
+    return _counts(_ran, site)
 
 
 def traced(site: str | None = None) -> dict:
     """As ``ran()``, for calls on fake tensors (what an estimate's trace chose: the ops a model has)."""
-    with _lock:
-        if site is None:
-            return dict(_traced)
-        return {p: n for (s, p), n in _traced.items() if s == site}
+    return _counts(_traced, site)
 
 
 def fallbacks() -> dict[tuple[str, str], int]:
