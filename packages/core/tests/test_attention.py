@@ -265,7 +265,25 @@ def test_flex_forward_on_cpu_matches_reference():
         warnings.simplefilter("ignore")
         out = attention(q, k, v, window=40, backend="flex")
     torch.testing.assert_close(out, attention_ref(q, k, v, window=40), atol=1e-5, rtol=0)
-    assert A.block_mask_cache_info()["keys"] == [(150, 40, "cpu")]
+    assert A.block_mask_cache_info()["keys"] == [(150, 40, "cpu", 128)]
+
+
+@pytest.mark.parametrize("L,w", [(150, 40), (257, 64), (200, 128)])
+def test_flex_narrow_forward_on_cpu_matches_reference(L, w):
+    """The narrow candidate's 64-wide block mask (eager forward on the CPU; compiled on CUDA in the cuda
+    tests): every key a query may see, and no other, in blocks of 64."""
+    A.clear_block_mask_cache()
+    q, k, v = (t.detach() for t in _qkv(2, 3, L, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = attention(q, k, v, window=w, backend="flex_narrow")
+    torch.testing.assert_close(out, attention_ref(q, k, v, window=w), atol=1e-5, rtol=0)
+    mask = A.window_block_mask(L, w, "cpu", 64)
+    assert A.block_mask_cache_info()["keys"] == [(L, w, "cpu", 64)]
+    assert mask.BLOCK_SIZE == (64, 64)
+    # a block row holds the blocks its queries' windows reach: the diagonal and ceil((w-1)/64) before it
+    per_row = mask.kv_num_blocks + (mask.full_kv_num_blocks if mask.full_kv_num_blocks is not None else 0)
+    assert int(per_row.max()) == 1 + -(-(w - 1) // 64)
 
 
 def test_block_mask_cache_is_bounded_lru_and_reports_bytes():
@@ -385,7 +403,7 @@ def test_flash_on_cuda_matches_reference():
 @pytest.fixture
 def stand_ins(monkeypatch):
     """Candidates that compute the reference and count their calls; a fake clock for the timings."""
-    calls = {"flex": 0, "varlen": 0, "blocks": 0}
+    calls = {"flex": 0, "flex_narrow": 0, "varlen": 0, "blocks": 0}
 
     def make(name):
         def fn(q, k, v, window, scale):
@@ -402,7 +420,7 @@ def stand_ins(monkeypatch):
 
 def test_cuda_window_times_each_candidate_once_and_keeps_the_fastest(monkeypatch, stand_ins):
     timed = []
-    speed = {"flex": 2.0, "varlen": 1.0, "blocks": 3.0}
+    speed = {"flex": 2.0, "flex_narrow": 1.5, "varlen": 1.0, "blocks": 3.0}
 
     def clock(name, q, k, v, window, scale, backward):
         timed.append((name, backward))
@@ -411,10 +429,10 @@ def test_cuda_window_times_each_candidate_once_and_keeps_the_fastest(monkeypatch
     monkeypatch.setattr(A, "_time_candidate", clock)
     q, k, v = _qkv(2, 2, 64, 16, dtype=torch.bfloat16)
     out = A.cuda_window(q, k, v, 8, None)
-    assert sorted(timed) == [("blocks", True), ("flex", True), ("varlen", True)]
+    assert sorted(timed) == [("blocks", True), ("flex", True), ("flex_narrow", True), ("varlen", True)]
     assert stand_ins["varlen"] == 1 and stand_ins["flex"] == 0
     A.cuda_window(q, k, v, 8, None)
-    assert len(timed) == 3 and stand_ins["varlen"] == 2  # cached: no second timing
+    assert len(timed) == 4 and stand_ins["varlen"] == 2  # cached: no second timing
     with torch.no_grad():  # another key: forward only
         A.cuda_window(q, k, v, 8, None)
     assert ("varlen", False) in timed
@@ -427,7 +445,7 @@ def test_cuda_window_leaves_out_fp32_for_flash_and_a_failing_candidate(monkeypat
     def clock(name, *args):
         if name == "flex":
             raise RuntimeError("no kernel for this GPU")
-        return {"varlen": 1.0, "blocks": 3.0}[name]
+        return {"varlen": 1.0, "blocks": 3.0, "flex_narrow": 4.0}[name]
 
     monkeypatch.setattr(A, "_time_candidate", clock)
     q, k, v = _qkv(1, 2, 32, 16)  # fp32: FlashAttention-2 does not take it
@@ -437,11 +455,34 @@ def test_cuda_window_leaves_out_fp32_for_flash_and_a_failing_candidate(monkeypat
     assert "flex" in A._cuda_failed and stand_ins["blocks"] == 1
 
 
+def test_the_narrow_flex_candidate_is_timed_for_narrow_windows_only(monkeypatch, stand_ins):
+    timed = []
+
+    def clock(name, q, k, v, window, scale, backward):
+        timed.append((name, window))
+        return 1.0
+
+    monkeypatch.setattr(A, "_time_candidate", clock)
+    q, k, v = _qkv(1, 2, 512, 16, dtype=torch.bfloat16)
+    for w in (A.FLEX_NARROW_MAX_WINDOW, A.FLEX_NARROW_MAX_WINDOW + 1):
+        A.cuda_window(q, k, v, w, None)
+    narrow = [w for name, w in timed if name == "flex_narrow"]
+    assert narrow == [A.FLEX_NARROW_MAX_WINDOW]
+    assert [w for name, w in timed if name == "flex"] == [128, 129]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["flex", "varlen", "blocks"])
-@pytest.mark.parametrize("L,w", [(1024, 64), (513, 256)])
-def test_each_cuda_window_candidate_matches_reference(name, L, w):
+@pytest.mark.parametrize("name", ["flex", "flex_narrow", "varlen", "blocks"])
+@pytest.mark.parametrize("L,w,layout", [(1024, 64, "BHLD"), (513, 256, "BHLD"), (300, 64, "model")])
+def test_each_cuda_window_candidate_matches_reference(name, L, w, layout):
+    """Each candidate against the reference, on contiguous (B, H, L, D) inputs and on the strided views a
+    model hands over (q, k, v split from one (B, L, 3 * H * D) projection, heads transposed)."""
     q, k, v = _qkv(2, 4, L, 64, dtype=torch.bfloat16, device="cuda")
+    if layout == "model":
+        qkv = torch.cat([t.detach().transpose(1, 2).reshape(2, L, 4 * 64) for t in (q, k, v)], -1)
+        q, k, v = (t.view(2, L, 4, 64).transpose(1, 2) for t in qkv.split(4 * 64, -1))
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))  # leaves that keep the views' strides
+        assert not q.is_contiguous()
     got = _fwd_bwd(lambda q, k, v: A.CUDA_WINDOW_CANDIDATES[name](q, k, v, w, None), q, k, v)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=w), q32, k32, v32)

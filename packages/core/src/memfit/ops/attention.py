@@ -8,11 +8,13 @@ sliding window: query i sees keys i-w+1 .. i. Paths, in order:
    passed, and the inputs meet its preconditions (sm80+, fp16/bf16, head dim <= 256; memfit.ops.registry).
 2. ``sdpa`` - no window, or a window that covers the whole sequence (Lq <= w): ``is_causal``, never a
    dense mask. Cross-attention (Lq != Lk) without a window also lands here.
-3. ``tuned`` - CUDA without flash-attn: the fastest of three candidates, timed once per (shape, dtype,
+3. ``tuned`` - CUDA without flash-attn: the fastest of the candidates, timed once per (shape, dtype,
    window, backward or not) on the device, as cudnn.benchmark does (``cuda_window``): ``flex``, compiled
-   FlexAttention with a block mask from ONE bounded LRU cache keyed by (L, window, device), built once per
-   key with B=None/H=None so it broadcasts over batch and heads; ``varlen``, the FlashAttention-2 kernel
-   PyTorch bundles (``varlen_attn(window_size=(w-1, 0))``, fp16/bf16); ``blocks`` (below).
+   FlexAttention with a block mask from ONE bounded LRU cache keyed by (L, window, device, block size),
+   built once per key with B=None/H=None so it broadcasts over batch and heads; ``flex_narrow`` (windows
+   up to ``FLEX_NARROW_MAX_WINDOW``), the same with 64-wide blocks and inductor's autotuned kernels;
+   ``varlen``, the FlashAttention-2 kernel PyTorch bundles (``varlen_attn(window_size=(w-1, 0))``,
+   fp16/bf16); ``blocks`` (below).
 4. ``blocks`` - CPU, moderate L / w: SDPA (its CPU flash kernel) once per block of queries, each block
    against the keys its window reaches with a boolean band mask. A single block when L is small: then
    it is dense SDPA with a band mask, as fast as causal SDPA there.
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 
 from memfit.ops import registry
 
-BACKENDS = ("auto", "flash", "sdpa", "flex", "varlen", "blocks", "band", "ref")
+BACKENDS = ("auto", "flash", "sdpa", "flex", "flex_narrow", "varlen", "blocks", "band", "ref")
 
 # Queries per block on the band path (at most), and a cap on the bytes of fp32 band buffers one group of
 # blocks may hold (the group is the unit of work: bigger groups mean fewer Python steps, smaller ones a
@@ -50,6 +52,11 @@ BAND_GROUP_BYTES = 64 * 2**20
 # SDPA per query block of max(w // 2, BLOCKS_MIN) queries (the registry's rule: the band path from
 # L >= BAND_MIN_RATIO windows on the CPU)
 BLOCKS_MIN = 32
+# FlexAttention's block sizes: its default, and the narrow candidate's for windows up to
+# FLEX_NARROW_MAX_WINDOW keys (wider windows fill most of a 128-wide tile anyway)
+FLEX_BLOCK = 128
+FLEX_NARROW_BLOCK = 64
+FLEX_NARROW_MAX_WINDOW = 128
 
 
 def attention_ref(q, k, v, *, causal=False, window=None, scale=None):
@@ -113,20 +120,21 @@ def probe_flash(fn, device: torch.device) -> tuple[bool, str]:
 
 
 class _BlockMaskCache:
-    """LRU of FlexAttention block masks keyed by (L, window, device); one broadcastable mask per key."""
+    """LRU of FlexAttention block masks keyed by (L, window, device, block size); one broadcastable mask
+    per key."""
 
     def __init__(self, max_entries: int = 8) -> None:
         self.max_entries = max_entries
         self._masks: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, L: int, window: int, device: torch.device):
-        key = (int(L), int(window), str(torch.device(device)))
+    def get(self, L: int, window: int, device: torch.device, block: int = FLEX_BLOCK):
+        key = (int(L), int(window), str(torch.device(device)), int(block))
         with self._lock:
             if key in self._masks:
                 self._masks.move_to_end(key)
                 return self._masks[key]
-        mask = _build_window_block_mask(L, window, device)
+        mask = _build_window_block_mask(L, window, device, block)
         with self._lock:
             self._masks[key] = mask
             self._masks.move_to_end(key)
@@ -165,11 +173,11 @@ def _window_mask_mod(window: int):
     return mask_mod
 
 
-def _build_window_block_mask(L: int, window: int, device):
+def _build_window_block_mask(L: int, window: int, device, block: int = FLEX_BLOCK):
     from torch.nn.attention.flex_attention import create_block_mask
 
     # B=None, H=None: one mask broadcast over batch and heads, so its size never grows with either.
-    return create_block_mask(_window_mask_mod(window), None, None, L, L, device=device)
+    return create_block_mask(_window_mask_mod(window), None, None, L, L, device=device, BLOCK_SIZE=block)
 
 
 def _block_mask_nbytes(mask) -> int:
@@ -194,28 +202,48 @@ def clear_block_mask_cache() -> None:
     _BLOCK_MASKS.clear()
 
 
-def window_block_mask(L: int, window: int, device="cpu"):
-    """The cached FlexAttention BlockMask for a causal window of ``window`` over length ``L``."""
-    return _BLOCK_MASKS.get(L, window, device)
+def window_block_mask(L: int, window: int, device="cpu", block: int = FLEX_BLOCK):
+    """The cached FlexAttention BlockMask for a causal window of ``window`` over length ``L``, in blocks of
+    ``block`` queries and keys."""
+    return _BLOCK_MASKS.get(L, window, device, block)
 
 
-_compiled_flex = None
+_compiled_flex: dict[bool, object] = {}
+
+
+def _flex(q, autotune: bool):
+    """flex_attention as it runs on q's device: eager on the CPU (it materialises the full score matrix
+    there); compiled on CUDA, where it runs the block-sparse kernel, with inductor's default kernel
+    configurations or (``autotune``) the fastest of its autotuning set (max-autotune, timed once per shape
+    at compile time)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not registry.is_cuda(q):
+        return flex_attention
+    if autotune not in _compiled_flex:
+        mode = "max-autotune-no-cudagraphs" if autotune else None
+        _compiled_flex[autotune] = torch.compile(flex_attention, dynamic=False, mode=mode)
+    return _compiled_flex[autotune]
 
 
 def flex_window(q, k, v, window, scale):
-    """A causal window of ``window`` keys with FlexAttention (compiled on CUDA, where it runs
-    block-sparse)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
+    """A causal window of ``window`` keys with FlexAttention in blocks of ``FLEX_BLOCK`` (128, its default
+    and what inductor's default kernel configurations tile by)."""
+    block_mask = _BLOCK_MASKS.get(q.shape[-2], window, q.device, FLEX_BLOCK)
+    return _flex(q, autotune=False)(q, k, v, block_mask=block_mask, scale=scale)
 
-    fn = flex_attention
-    if registry.is_cuda(q):
-        # Eager flex materialises the full score matrix; compiled it runs the block-sparse kernel.
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        fn = _compiled_flex
-    block_mask = _BLOCK_MASKS.get(q.shape[-2], window, q.device)
-    return fn(q, k, v, block_mask=block_mask, scale=scale)
+
+def flex_narrow_window(q, k, v, window, scale):
+    """A narrow causal window with FlexAttention in blocks of ``FLEX_NARROW_BLOCK`` (64) queries and keys.
+
+    With 128-wide blocks a window of 64 keys fills a quarter of the tiles the kernel computes (every tile it
+    touches is a partial one); 64-wide blocks halve that work. Inductor's default backward configuration on
+    sm90 tiles by 128 and is left out for 64-wide blocks, so this candidate compiles with max-autotune,
+    whose set holds 32- and 64-wide configurations (and times them once per shape). Each query sees its own
+    key, so no row is empty (``ROWS_GUARANTEED_SAFE``)."""
+    block_mask = _BLOCK_MASKS.get(q.shape[-2], window, q.device, FLEX_NARROW_BLOCK)
+    options = {"ROWS_GUARANTEED_SAFE": True}
+    return _flex(q, autotune=True)(q, k, v, block_mask=block_mask, scale=scale, kernel_options=options)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -468,7 +496,12 @@ def _varlen_problem(q, k, v) -> str | None:
 # CUDA window attention: the fastest correct candidate for each (shape, dtype, window, backward or not),
 # timed once on the device like cudnn.benchmark: compiled Flex wins at some shapes, FlashAttention-2's
 # window (varlen) at others, SDPA on query blocks at a few (tools/bench_gpu.py prints what was chosen).
-CUDA_WINDOW_CANDIDATES = {"flex": flex_window, "varlen": varlen_window, "blocks": sdpa_blocks}
+CUDA_WINDOW_CANDIDATES = {
+    "flex": flex_window,
+    "flex_narrow": flex_narrow_window,
+    "varlen": varlen_window,
+    "blocks": sdpa_blocks,
+}
 _cuda_choice: dict[tuple, str] = {}
 _cuda_failed: dict[str, str] = {}
 TUNE_REPEATS = 3
@@ -479,10 +512,12 @@ def cuda_window_choices() -> dict[tuple, str]:
     return dict(_cuda_choice)
 
 
-def _candidates(q, k, v) -> list[str]:
+def _candidates(q, k, v, window: int) -> list[str]:
     names = [n for n in CUDA_WINDOW_CANDIDATES if n not in _cuda_failed]
     if "varlen" in names and _varlen_problem(q, k, v) is not None:
         names.remove("varlen")
+    if "flex_narrow" in names and window > FLEX_NARROW_MAX_WINDOW:
+        names.remove("flex_narrow")
     return names
 
 
@@ -509,7 +544,7 @@ def _time_candidate(name: str, q, k, v, window: int, scale, backward: bool) -> f
 
 def _tune(key: tuple, q, k, v, window: int, scale, backward: bool) -> str:
     timings = {}
-    for name in _candidates(q, k, v):
+    for name in _candidates(q, k, v, window):
         try:
             timings[name] = _time_candidate(name, q, k, v, window, scale, backward)
         except Exception as e:  # noqa: BLE001 - a candidate this GPU/torch cannot run is left out, said once
