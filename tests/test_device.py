@@ -10,6 +10,8 @@ the emulated GPU.
 
 from __future__ import annotations
 
+import contextlib
+import re
 import types
 from pathlib import Path
 
@@ -129,47 +131,52 @@ def test_the_emulated_gpu_refuses_what_cuda_refuses_and_allows_what_it_allows(tm
     assert torch.equal(saved["weight"], weight.inner)
 
 
-@pytest.mark.parametrize("system", SYSTEMS)
-def test_every_command_runs_on_the_gpu(system, tmp_path, capsys):
+def every_command(system: str, tmp_path, capsys, gpu) -> tuple:
     """train (2 steps with activation checkpointing, a validation, a checkpoint), --resume, eval, the extra
-    commands, the one-call API, export and its model on the GPU, and plot: each on the emulated GPU, with
-    the paths a GPU without the cuda extra takes."""
+    commands, the one-call API, export and its model on the GPU, and plot, with the paths a GPU without the
+    cuda extra takes. ``gpu`` is the context the GPU exists in (the emulated one, or a real one's); returns
+    the exported model and what the context gave."""
     runs = tmp_path / "runs"
     run = runs / system / "run"
     registry.reset()
-    with emulated_cuda() as gpu:
+    with gpu as device:
         # with activation checkpointing: the kernels' probes run inside it (mbsnet's GPU recipe has it on)
-        assert (
-            train(
-                system,
-                runs,
-                "--steps",
-                "2",
-                "--eval_every",
-                "2",
-                "--save_every",
-                "1",
-                "--checkpointing",
-                *GPU,
-            )
-            == 0
-        )
-        assert "peak memory consumption: 0 MiB (cuda)" in capsys.readouterr().out  # the Trainer's device
+        argv = ("--steps", "2", "--eval_every", "2", "--save_every", "1", "--checkpointing", *GPU)
+        assert train(system, runs, *argv) == 0
+        assert re.search(
+            r"peak memory consumption: \d+ MiB \(cuda\)", capsys.readouterr().out
+        )  # the Trainer's
         assert train(system, runs, "--steps", "3", "--resume", *GPU) == 0
         assert "resumed from" in capsys.readouterr().err
         assert evaluate(system, run, *GPU) == 0
         extra_commands(system, run, tmp_path)
         assert memfit_main("export", str(run), "--out", str(tmp_path / "export")) == 0
         model = load_system(system).from_pretrained(tmp_path / "export", device="cuda")
-        assert all(isinstance(p, EmulatedCuda) for p in model.parameters())
+        assert all(p.is_cuda for p in model.parameters())
         assert memfit_main("plot", str(run)) == 0
     ran = {op: set(registry.ran(op)) for op in registry.OPS if registry.ran(op)}
     assert ran == PATHS[system], ran
-    assert gpu.ops > 1000  # what ran on the GPU (not a step of CPU tensors that never met it)
     # a GPU run's checkpoint, loaded on the CPU: plain tensors
     state = load_checkpoint(list_checkpoints(run)[-1])
     assert state["step"] == 3
     assert all(type(t) is torch.Tensor and t.device.type == "cpu" for t in state["model"].values())
+    return model, device
+
+
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_every_command_runs_on_the_gpu(system, tmp_path, capsys):
+    """Every command on the GPU emulated on the CPU: each step's tensors really meet it."""
+    model, gpu = every_command(system, tmp_path, capsys, emulated_cuda())
+    assert gpu.ops > 1000  # what ran on the GPU (not a step of CPU tensors that never met it)
+    assert all(isinstance(p, EmulatedCuda) for p in model.parameters())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("system", SYSTEMS)
+def test_every_command_runs_on_cuda(system, tmp_path, capsys, monkeypatch):
+    """The same commands on a real GPU, as users have it: without the cuda extra's kernels."""
+    monkeypatch.setenv("MEMFIT_DISABLE", ",".join(sorted(registry.extra_kernels())))
+    every_command(system, tmp_path, capsys, contextlib.nullcontext())
 
 
 # ----------------------------------------------------------------------------------------------------
