@@ -47,7 +47,9 @@ def test_bench_gpu_runs_every_part_at_toy_sizes(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert {"scan", "systems", "attention", "d12", "paths"} <= report.keys()
+    assert {"scan", "systems", "attention", "d12", "memory", "paths"} <= report.keys()
+    assert [r["variant"] for r in report["memory"]] == ["resnet50-fp32", "gru-3x512"]
+    assert all(r["estimate_gib"]["allocated"] > 0.1 for r in report["memory"])
     impls = {row["impl"] for row in report["scan"]}
     assert {"memfit torch-op chunked", "parallel scan (materialising)", "SSD reference (Mamba-2)"} <= impls
     assert {row["system"] for row in report["systems"]} == {"ginr-cifar", "gpt2-window", "mbsnet-speech",

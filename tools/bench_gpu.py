@@ -1,7 +1,8 @@
 """What only a GPU can tell, in one command: scan speed, each system's step, window attention, the paths.
 
-    uv run python tools/bench_gpu.py --out gpu.json          # any CUDA machine, no build, <= 5 minutes
-    uv run python tools/bench_gpu.py --quick --out gpu.json  # fewer shapes and repeats (~2 minutes)
+    uv run python tools/bench_gpu.py --out gpu.json          # any CUDA machine, no build, <= 8 minutes
+    uv run python tools/bench_gpu.py --quick --out gpu.json  # fewer shapes and repeats (~5 minutes)
+    uv run python tools/bench_gpu.py --parts scan,attention  # some of the parts (a)-(e) below
 
 It prints one table per part and writes everything as JSON (after each part, so a run cut short keeps
 what it measured):
@@ -19,7 +20,10 @@ what it measured):
     the tuned choice, against causal SDPA), and GPT-2 d12's training step at T 1024 and 4096, causal and
     window 64;
 (d) the implementation each call site took (``memfit.ops.registry.ran()``) and the window attention
-    candidate tuned for each shape.
+    candidate tuned for each shape;
+(e) `memfit estimate --device cuda` against this GPU (tools/gpu_memory_set.py): sixteen third-party steps
+    and every budget row of the four systems, naive baselines included, each from an empty allocator:
+    allocated peak, reserved peak and card total, estimated and measured (~3 minutes).
 
 Timings are CUDA-event medians after warm-up (Triton compiles, Flex compiles); every figure names the GPU.
 ``--smoke`` runs every part at toy sizes on the CPU (the test suite's check that this script runs).
@@ -328,7 +332,11 @@ def attention_part(shapes, windows, device, warmup, repeats, rounds) -> list[dic
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for B, H, T in shapes:
         g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(B, H, T, 64, generator=g).to(device, dtype).requires_grad_() for _ in range(3))
+        # the layout a model hands over: q, k, v split from one (B, T, 3H * 64) projection, heads transposed
+        qkv = torch.randn(B, T, 3 * H * 64, generator=g).to(device, dtype)
+        q, k, v = (
+            t.view(B, T, H, 64).transpose(1, 2).detach().requires_grad_() for t in qkv.split(H * 64, -1)
+        )
         gout = torch.randn(B, H, T, 64, generator=g).to(device, dtype)
         res = alternated(attention_fns(q, k, v, gout, windows, device), device, warmup, repeats, rounds)
         base = res["SDPA causal"][0]
@@ -361,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench_gpu.json", help="the JSON file to write (default %(default)s)")
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (~2 minutes)")
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks that the script runs")
-    p.add_argument("--parts", default="scan,systems,attention,d12", help="comma-separated parts to run")
+    p.add_argument(
+        "--parts", default="scan,systems,attention,d12,memory", help="comma-separated parts to run"
+    )
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated systems for part (b)")
     args = p.parse_args(argv)
     if args.smoke:
@@ -418,6 +428,19 @@ def main(argv: list[str] | None = None) -> int:
         lengths = [(64, 2)] if args.smoke else [(1024, 8), (4096, 2)]
         report["d12"] = d12_part(lengths, device, warmup, repeats, smoke=args.smoke)
         print("\n(c) GPT-2 d12 training step\n" + table(report["d12"], ["T", "batch", "attention", "ms"]))
+        save()
+    if "memory" in parts:
+        import gpu_memory_set  # tools/, beside this script
+
+        if args.smoke:
+            report["memory"] = gpu_memory_set.smoke(["resnet50-fp32", "gru-3x512"])
+        else:
+            from memfit.estimate.measure import format_rows
+
+            report["memory"] = gpu_memory_set.run()
+            print("\n(e) memfit estimate --device cuda against this GPU\n" + format_rows(
+                [r for r in report["memory"] if "card" in r]))  # fmt: skip
+            print(gpu_memory_set.summary(report["memory"]))
         save()
     save()
     print("\n(d) paths taken: " + ", ".join(f"{k} x{v}" for k, v in report["paths"].items()))
