@@ -243,22 +243,29 @@ class _CudnnRNN(torch.autograd.Function):
     output (T, B, D*H), hy (and cy for an LSTM), and the reserve, which autograd keeps for backward with
     the input, the hidden state and the output (derivatives.yaml ``_cudnn_rnn``: result3); its size is
     ``workspaces.cudnn_rnn_reserve_bytes`` (cuDNN's, measured exact on 192 shapes). Backward: dx, dhx
-    (dcx) and one flat weight gradient the parameters' gradients are views of. cuDNN's own workspaces
-    (transient, 12-259 MiB measured, no formula) are not modelled."""
+    (dcx) and one flat weight gradient the parameters' gradients are views of. cuDNN's workspace (one
+    size, ``workspaces.cudnn_rnn_workspace_bytes``'s measured table, 8-250 MiB) lives through each of the
+    three calls, with the calls' contiguous copies: the time-major input (forward and both backward calls,
+    batch-first input) and the output gradient (backward input)."""
 
     @staticmethod
     def forward(ctx, mode, hidden, layers, bidirectional, batch_first, x, hx, cx, *weights):
         D = 2 if bidirectional else 1
         T, B = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
-        if batch_first:
-            x.transpose(0, 1).contiguous()  # freed as the call returns
+        copy = x.transpose(0, 1).contiguous() if batch_first else None  # freed as the call returns
         out = x.new_empty((T, B, D * hidden))
         hy = x.new_empty((layers * D, B, hidden))
         cy = x.new_empty((layers * D, B, hidden)) if cx is not None else None
         nbytes = workspaces.cudnn_rnn_reserve_bytes(
             mode, hidden, T, B, layers, x.element_size(), bidirectional
         )
+        ctx.workspace = workspaces.cudnn_rnn_workspace_bytes(
+            mode, x.shape[-1], hidden, T, B, layers, bidirectional
+        )
+        workspace = x.new_empty((ctx.workspace,), dtype=torch.uint8)  # before the reserve, as RNN.cpp
         reserve = x.new_empty((nbytes,), dtype=torch.uint8)
+        del workspace, copy  # cuDNN's workspace and the time-major input die with the call
+        ctx.batch_first = batch_first
         ctx.save_for_backward(x, hx, cx, out, reserve)
         ctx.n_weights = len(weights)
         ctx.weights = [(w.shape, w.dtype) for w in weights]
@@ -267,11 +274,23 @@ class _CudnnRNN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dhy, dcy):
         x, hx, cx, _, _ = ctx.saved_tensors
+        # _cudnn_rnn_backward_input: dx, dhx (dcx); contiguous time-major copies of the output gradient and
+        # (batch-first) the input, and the workspace, all freed as it returns
         dx = torch.empty_like(x)
         dhx = torch.empty_like(hx)
         dcx = None if cx is None else torch.empty_like(cx)
+        first = ctx.batch_first
+        dy = dout.transpose(0, 1).contiguous() if first else dout.contiguous()
+        xt = x.transpose(0, 1).contiguous() if first else None
+        workspace = x.new_empty((ctx.workspace,), dtype=torch.uint8)
+        del dy, xt, workspace
+        # _cudnn_rnn_backward_weight: one flat weight gradient (the parameters' gradients are its views),
+        # the input's copy again and the workspace
+        xt = x.transpose(0, 1).contiguous() if first else None
         total = sum(math.prod(shape) for shape, _ in ctx.weights)
         flat = x.new_zeros((total,), dtype=ctx.weights[0][1])
+        workspace = x.new_empty((ctx.workspace,), dtype=torch.uint8)
+        del xt, workspace
         grads, at = [], 0
         for shape, _ in ctx.weights:
             n = math.prod(shape)

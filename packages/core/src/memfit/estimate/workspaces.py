@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -329,6 +330,79 @@ def cudnn_rnn_reserve_bytes(
     dirs = 2 if bidirectional else 1
     units = per_layer * layers + (layers - 1)
     return itemsize * seq * batch * hidden * units * dirs + 256
+
+
+# cuDNN's RNN workspace: RNN.cpp's ``_cudnn_rnn`` (training), ``_cudnn_rnn_backward_input`` and
+# ``_cudnn_rnn_backward_weight`` each ask cudnnGetRNNTempSpaceSizes(..., CUDNN_FWD_MODE_TRAINING, ...) for
+# the same workspace size and allocate it (``at::empty(workspace_size, kByte)``) for the call only. cuDNN
+# documents no formula and the query needs a GPU, so the size is a measured table: an H200, cuDNN 9.19.0,
+# fp32, 2026-11-26, one line a + b * T * B (bytes) per (mode, directions, layers, hidden, input), fitted by
+# tools/cudnn_rnn_table.py from packages/core/tests/data/h200-2026-11-26/rnn.json.gz (128 shapes, T 50/200,
+# batch 8/32; every reading within 8.5% of its line, most within 2%).
+CUDNN_RNN_WORKSPACE: dict[tuple, tuple[int, int]] = {
+    ("gru", 1, 1, 128, 64): (8664747, 9786),
+    ("gru", 1, 1, 128, 256): (9494693, 11691),
+    ("gru", 1, 1, 512, 64): (12046084, 8739),
+    ("gru", 1, 1, 512, 256): (13225732, 10275),
+    ("gru", 1, 2, 128, 64): (17536668, 10261),
+    ("gru", 1, 2, 128, 256): (18002386, 12275),
+    ("gru", 1, 2, 512, 64): (26878788, 8511),
+    ("gru", 1, 2, 512, 256): (28211168, 9248),
+    ("gru", 2, 1, 128, 64): (17710575, 12773),
+    ("gru", 2, 1, 128, 256): (17959077, 16479),
+    ("gru", 2, 1, 512, 64): (24008085, 25086),
+    ("gru", 2, 1, 512, 256): (26440909, 25789),
+    ("gru", 2, 2, 128, 64): (36265458, 13742),
+    ("gru", 2, 2, 128, 256): (36079468, 17457),
+    ("gru", 2, 2, 512, 64): (60284115, 25331),
+    ("gru", 2, 2, 512, 256): (62428088, 26906),
+    ("lstm", 1, 1, 128, 64): (8829544, 11022),
+    ("lstm", 1, 1, 128, 256): (9601281, 11715),
+    ("lstm", 1, 1, 512, 64): (13151958, 10734),
+    ("lstm", 1, 1, 512, 256): (14916617, 11333),
+    ("lstm", 1, 2, 128, 64): (18239445, 10946),
+    ("lstm", 1, 2, 128, 256): (18231345, 11830),
+    ("lstm", 1, 2, 512, 64): (30357009, 10635),
+    ("lstm", 1, 2, 512, 256): (31929873, 11403),
+    ("lstm", 2, 1, 128, 64): (17670378, 15647),
+    ("lstm", 2, 1, 128, 256): (18456810, 16415),
+    ("lstm", 2, 1, 512, 64): (26781410, 29095),
+    ("lstm", 2, 1, 512, 256): (30081652, 29832),
+    ("lstm", 2, 2, 128, 64): (36126677, 15678),
+    ("lstm", 2, 2, 128, 256): (37007525, 16474),
+    ("lstm", 2, 2, 512, 64): (69290947, 29261),
+    ("lstm", 2, 2, 512, 256): (72436675, 30029),
+}
+
+
+def cudnn_rnn_workspace_bytes(
+    mode: str, input_size: int, hidden: int, seq: int, batch: int, layers: int, bidirectional: bool = False
+) -> int:
+    """Bytes of cuDNN's RNN workspace for a training call (the forward and each of the backward's two),
+    from the measured table ``CUDNN_RNN_WORKSPACE`` (H200, cuDNN 9.19.0).
+
+    Between the recorded sizes a line's a and b are interpolated linearly in log2(hidden), log2(input) and
+    the number of layers; outside them hidden and input take the nearest recorded size, and layers beyond
+    2 continue the 1-to-2-layer step (each layer adds about what the second did). Other GPUs, cuDNN
+    versions and half-precision RNNs were not measured: the H200's fp32 readings stand in."""
+    table_mode = mode if mode in ("gru", "lstm") else "gru"
+    dirs = 2 if bidirectional else 1
+
+    def weight(x: float, lo: float, hi: float, clamp_high: bool = True) -> float:
+        t = (x - lo) / (hi - lo)
+        return max(0.0, min(1.0, t) if clamp_high else t)
+
+    th = weight(math.log2(max(hidden, 1)), 7, 9)
+    ti = weight(math.log2(max(input_size, 1)), 6, 8)
+    tl = weight(layers, 1, 2, clamp_high=False)
+    a = b = 0.0
+    for h, wh in ((128, 1 - th), (512, th)):
+        for i, wi in ((64, 1 - ti), (256, ti)):
+            for L, wl in ((1, 1 - tl), (2, tl)):
+                la, lb = CUDNN_RNN_WORKSPACE[(table_mode, dirs, L, h, i)]
+                a += wh * wi * wl * la
+                b += wh * wi * wl * lb
+    return max(0, round(a + b * seq * batch))
 
 
 # ----------------------------------------------------------------------------------------------------
