@@ -306,6 +306,8 @@ CUDA_TESTS = [  # (file::test, its parameters): every `cuda` test whose checks h
     (f"{CORE}/test_attention.py::test_flex_on_cuda_matches_reference", {"L": 257, "w": 64}),
     (f"{CORE}/test_attention.py::test_flex_on_cuda_matches_reference", {"L": 100, "w": 200}),
     (f"{CORE}/test_attention.py::test_band_on_cuda_matches_reference", {}),
+    (f"{CORE}/test_window_triton.py::test_cuda_matches_the_reference_at_real_sizes",
+     {"L": 300, "w": 64, "layout": "model"}),
     (f"{CORE}/test_scan_triton.py::test_cuda_matches_the_reference_at_real_sizes",
      {"batch": 2, "dim": 384, "L": 300, "N": 16, "dtype": torch.float32, "bc": "step"}),
     (f"{GPT2}/test_gpt2_cuda.py::test_window_model_matches_reference_on_cuda", {}),

@@ -313,7 +313,10 @@ def attention_fns(q, k, v, gout, windows, device) -> dict:
 
     fns = {"SDPA causal": causal}
     for w in windows:
-        for name in list(A.CUDA_WINDOW_CANDIDATES) if device.type == "cuda" else ["blocks"]:
+        names = list(A.CUDA_WINDOW_CANDIDATES) if device.type == "cuda" else ["blocks"]
+        if w > A.FLEX_NARROW_MAX_WINDOW:  # offered only up to there (its autotuned compile takes a while)
+            names = [n for n in names if n != "flex_narrow"]
+        for name in names:
 
             def cand(name=name, w=w):
                 A.CUDA_WINDOW_CANDIDATES[name](q, k, v, w, None).backward(gout)

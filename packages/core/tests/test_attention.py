@@ -403,7 +403,7 @@ def test_flash_on_cuda_matches_reference():
 @pytest.fixture
 def stand_ins(monkeypatch):
     """Candidates that compute the reference and count their calls; a fake clock for the timings."""
-    calls = {"flex": 0, "flex_narrow": 0, "varlen": 0, "blocks": 0}
+    calls = {"flex": 0, "flex_narrow": 0, "varlen": 0, "triton": 0, "blocks": 0}
 
     def make(name):
         def fn(q, k, v, window, scale):
@@ -420,7 +420,7 @@ def stand_ins(monkeypatch):
 
 def test_cuda_window_times_each_candidate_once_and_keeps_the_fastest(monkeypatch, stand_ins):
     timed = []
-    speed = {"flex": 2.0, "flex_narrow": 1.5, "varlen": 1.0, "blocks": 3.0}
+    speed = {"flex": 2.0, "flex_narrow": 1.5, "varlen": 1.0, "triton": 2.5, "blocks": 3.0}
 
     def clock(name, q, k, v, window, scale, backward):
         timed.append((name, backward))
@@ -429,10 +429,11 @@ def test_cuda_window_times_each_candidate_once_and_keeps_the_fastest(monkeypatch
     monkeypatch.setattr(A, "_time_candidate", clock)
     q, k, v = _qkv(2, 2, 64, 16, dtype=torch.bfloat16)
     out = A.cuda_window(q, k, v, 8, None)
-    assert sorted(timed) == [("blocks", True), ("flex", True), ("flex_narrow", True), ("varlen", True)]
+    assert sorted(timed) == [("blocks", True), ("flex", True), ("flex_narrow", True), ("triton", True),
+                             ("varlen", True)]  # fmt: skip
     assert stand_ins["varlen"] == 1 and stand_ins["flex"] == 0
     A.cuda_window(q, k, v, 8, None)
-    assert len(timed) == 4 and stand_ins["varlen"] == 2  # cached: no second timing
+    assert len(timed) == 5 and stand_ins["varlen"] == 2  # cached: no second timing
     with torch.no_grad():  # another key: forward only
         A.cuda_window(q, k, v, 8, None)
     assert ("varlen", False) in timed
@@ -445,7 +446,7 @@ def test_cuda_window_leaves_out_fp32_for_flash_and_a_failing_candidate(monkeypat
     def clock(name, *args):
         if name == "flex":
             raise RuntimeError("no kernel for this GPU")
-        return {"varlen": 1.0, "blocks": 3.0, "flex_narrow": 4.0}[name]
+        return {"varlen": 1.0, "blocks": 3.0, "flex_narrow": 4.0, "triton": 5.0}[name]
 
     monkeypatch.setattr(A, "_time_candidate", clock)
     q, k, v = _qkv(1, 2, 32, 16)  # fp32: FlashAttention-2 does not take it
@@ -455,7 +456,7 @@ def test_cuda_window_leaves_out_fp32_for_flash_and_a_failing_candidate(monkeypat
     assert "flex" in A._cuda_failed and stand_ins["blocks"] == 1
 
 
-def test_the_narrow_flex_candidate_is_timed_for_narrow_windows_only(monkeypatch, stand_ins):
+def test_the_narrow_flex_candidate_is_timed_for_narrow_windows_in_training_only(monkeypatch, stand_ins):
     timed = []
 
     def clock(name, q, k, v, window, scale, backward):
@@ -466,14 +467,23 @@ def test_the_narrow_flex_candidate_is_timed_for_narrow_windows_only(monkeypatch,
     q, k, v = _qkv(1, 2, 512, 16, dtype=torch.bfloat16)
     for w in (A.FLEX_NARROW_MAX_WINDOW, A.FLEX_NARROW_MAX_WINDOW + 1):
         A.cuda_window(q, k, v, w, None)
+    with torch.no_grad():  # a forward-only key (generation, evaluation): no autotuned compile per length
+        A.cuda_window(q, k, v, 64, None)
     narrow = [w for name, w in timed if name == "flex_narrow"]
     assert narrow == [A.FLEX_NARROW_MAX_WINDOW]
-    assert [w for name, w in timed if name == "flex"] == [128, 129]
+    assert [w for name, w in timed if name == "flex"] == [128, 129, 64]
+
+
+CANDIDATE_CASES = [
+    (name, L, w, layout)
+    for L, w, layout in [(1024, 64, "BHLD"), (513, 256, "BHLD"), (300, 64, "model")]
+    for name in ["flex", "flex_narrow", "varlen", "triton", "blocks"]
+    if not (name == "flex_narrow" and w > A.FLEX_NARROW_MAX_WINDOW)  # offered for narrow windows only
+]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["flex", "flex_narrow", "varlen", "blocks"])
-@pytest.mark.parametrize("L,w,layout", [(1024, 64, "BHLD"), (513, 256, "BHLD"), (300, 64, "model")])
+@pytest.mark.parametrize("name,L,w,layout", CANDIDATE_CASES)
 def test_each_cuda_window_candidate_matches_reference(name, L, w, layout):
     """Each candidate against the reference, on contiguous (B, H, L, D) inputs and on the strided views a
     model hands over (q, k, v split from one (B, L, 3 * H * D) projection, heads transposed)."""

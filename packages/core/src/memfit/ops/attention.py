@@ -12,9 +12,11 @@ sliding window: query i sees keys i-w+1 .. i. Paths, in order:
    window, backward or not) on the device, as cudnn.benchmark does (``cuda_window``): ``flex``, compiled
    FlexAttention with a block mask from ONE bounded LRU cache keyed by (L, window, device, block size),
    built once per key with B=None/H=None so it broadcasts over batch and heads; ``flex_narrow`` (windows
-   up to ``FLEX_NARROW_MAX_WINDOW``), the same with 64-wide blocks and inductor's autotuned kernels;
+   up to ``FLEX_NARROW_MAX_WINDOW``, training only), the same with 64-wide blocks and inductor's
+   autotuned kernels;
    ``varlen``, the FlashAttention-2 kernel PyTorch bundles (``varlen_attn(window_size=(w-1, 0))``,
-   fp16/bf16); ``blocks`` (below).
+   fp16/bf16); ``triton``, memfit's own band kernels (``memfit.ops.window_triton``: 64-wide tiles over only
+   the blocks the window reaches, FlashAttention-2's backward); ``blocks`` (below).
 4. ``blocks`` - CPU, moderate L / w: SDPA (its CPU flash kernel) once per block of queries, each block
    against the keys its window reaches with a boolean band mask. A single block when L is small: then
    it is dense SDPA with a band mask, as fast as causal SDPA there.
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 from memfit.ops import registry
 
-BACKENDS = ("auto", "flash", "sdpa", "flex", "flex_narrow", "varlen", "blocks", "band", "ref")
+BACKENDS = ("auto", "flash", "sdpa", "flex", "flex_narrow", "varlen", "triton", "blocks", "band", "ref")
 
 # Queries per block on the band path (at most), and a cap on the bytes of fp32 band buffers one group of
 # blocks may hold (the group is the unit of work: bigger groups mean fewer Python steps, smaller ones a
@@ -496,10 +498,26 @@ def _varlen_problem(q, k, v) -> str | None:
 # CUDA window attention: the fastest correct candidate for each (shape, dtype, window, backward or not),
 # timed once on the device like cudnn.benchmark: compiled Flex wins at some shapes, FlashAttention-2's
 # window (varlen) at others, SDPA on query blocks at a few (tools/bench_gpu.py prints what was chosen).
+def triton_window(q, k, v, window, scale):
+    """A causal window of ``window`` keys with memfit's Triton band kernels (``memfit.ops.window_triton``)."""
+    from memfit.ops.window_triton import window_attention_triton
+
+    return window_attention_triton(q, k, v, window, scale)
+
+
+def _triton_problem(q, k, v) -> str | None:
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        return f"{q.dtype}: the band kernels take fp32/fp16/bf16 of one dtype"
+    if q.shape[-1] > 256 or v.shape[-1] != q.shape[-1] or k.shape != q.shape:
+        return "head dims over 256 or unequal"
+    return None
+
+
 CUDA_WINDOW_CANDIDATES = {
     "flex": flex_window,
     "flex_narrow": flex_narrow_window,
     "varlen": varlen_window,
+    "triton": triton_window,
     "blocks": sdpa_blocks,
 }
 _cuda_choice: dict[tuple, str] = {}
@@ -512,11 +530,15 @@ def cuda_window_choices() -> dict[tuple, str]:
     return dict(_cuda_choice)
 
 
-def _candidates(q, k, v, window: int) -> list[str]:
+def _candidates(q, k, v, window: int, backward: bool) -> list[str]:
     names = [n for n in CUDA_WINDOW_CANDIDATES if n not in _cuda_failed]
     if "varlen" in names and _varlen_problem(q, k, v) is not None:
         names.remove("varlen")
-    if "flex_narrow" in names and window > FLEX_NARROW_MAX_WINDOW:
+    if "triton" in names and _triton_problem(q, k, v) is not None:
+        names.remove("triton")
+    if "flex_narrow" in names and (window > FLEX_NARROW_MAX_WINDOW or not backward):
+        # training keys only: its autotuned compile (tens of seconds per shape) pays off over a run's steps,
+        # not over the lengths a generation loop passes through once each
         names.remove("flex_narrow")
     return names
 
@@ -544,7 +566,7 @@ def _time_candidate(name: str, q, k, v, window: int, scale, backward: bool) -> f
 
 def _tune(key: tuple, q, k, v, window: int, scale, backward: bool) -> str:
     timings = {}
-    for name in _candidates(q, k, v, window):
+    for name in _candidates(q, k, v, window, backward):
         try:
             timings[name] = _time_candidate(name, q, k, v, window, scale, backward)
         except Exception as e:  # noqa: BLE001 - a candidate this GPU/torch cannot run is left out, said once
