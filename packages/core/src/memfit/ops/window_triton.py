@@ -7,10 +7,10 @@ accumulator are fp32.
 
 Kernels
 -------
-* Forward, grid (cdiv(L, BLOCK_M), batch * heads): one query block against only the key blocks its window
-  reaches (``ceil((w - 1) / BLOCK_N) + 1`` of them at most), online softmax in registers; it writes the
-  output and each row's log-sum-exp (fp32, log2 units), the only tensor kept for backward beside q, k, v
-  and the output: nothing of size L x w is stored.
+* Forward, grid (cdiv(L, BLOCK), batch * heads): one query block against only the key blocks its window
+  reaches (``N_BLOCKS = 1 + ceil((w - 1) / BLOCK)``, a compile-time loop bound), online softmax in
+  registers; it writes the output and each row's log-sum-exp (fp32, log2 units), the only tensor kept for
+  backward beside q, k, v and the output: nothing of size L x w is stored.
 * Backward, as FlashAttention-2 lays it out: a row-sum kernel (``delta = rowsum(dO * O)``, fp32), then one
   kernel per key block for dK and dV, looping over the query blocks that see it, and one per query block
   for dQ, looping over the key blocks it sees; the probabilities are recomputed from the log-sum-exp. No
@@ -24,7 +24,9 @@ direction. Whether that is faster is the GPU's to say: the tuner times it beside
 Registration follows ``memfit.ops.scan.triton``: ``torch.library.custom_op`` with ``register_fake``
 (the fake makes exactly the outputs the kernels write, the backward's row sums included), so the
 estimator and torch.compile see what the op allocates; under ``TRITON_INTERPRET=1`` the same op runs the
-kernels on CPU tensors (the tests). Loop bounds that depend on runtime values are ``while`` loops.
+kernels on CPU tensors (the tests). Loop bounds are compile-time constants (the interpreter takes no
+runtime ``range`` bound, and a constant-trip ``for`` is what Triton pipelines): a kernel is compiled per
+``N_BLOCKS``, i.e. per window rounded up to the tile.
 """
 
 from __future__ import annotations
@@ -88,26 +90,27 @@ def _load_rows(X, sb, sh, b, h, rows, L):
 
 
 @triton.jit
-def _key_range(first_query, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, L, W):
-    """[start, end) of the key blocks the queries first_query .. first_query + BLOCK_M - 1 see."""
-    return tl.maximum(first_query - W + 1, 0) // BLOCK_N * BLOCK_N, tl.minimum(first_query + BLOCK_M, L)
+def _first_key_block(first_query, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr):
+    """The first of the N_BLOCKS key blocks the queries first_query .. first_query + BLOCK - 1 see (0 near
+    the start, where the last ones then lie past the queries and are masked out)."""
+    return tl.maximum(first_query - (N_BLOCKS - 1) * BLOCK, 0)
 
 
 @triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, qk_scale, L, W, H,
     sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, sob, soh, sol, sod, slb, slh,
-    HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    b, h, offs_m, offs_d = _program(H, BLOCK_M, DP)
+    b, h, offs_m, offs_d = _program(H, BLOCK, DP)
     q = _load_tile(Q, sqb, sqh, sql, sqd, b, h, offs_m, offs_d, L, HEAD_DIM)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DP], tl.float32)
-    start, end = _key_range(tl.program_id(0) * BLOCK_M, BLOCK_M, BLOCK_N, L, W)
-    while start < end:
-        offs_n = start + tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    acc = tl.zeros([BLOCK, DP], tl.float32)
+    start = _first_key_block(tl.program_id(0) * BLOCK, BLOCK, N_BLOCKS)
+    for i in range(N_BLOCKS):
+        offs_n = start + i * BLOCK + tl.arange(0, BLOCK)
         k = _load_tile(K, skb, skh, skl, skd, b, h, offs_n, offs_d, L, HEAD_DIM)
         v = _load_tile(V, svb, svh, svl, svd, b, h, offs_n, offs_d, L, HEAD_DIM)
         s = _dot(q, tl.trans(k), UPCAST, PREC) * qk_scale  # log2 units
@@ -119,7 +122,6 @@ def _fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST, PREC)
         m_i = m_new
-        start += BLOCK_N
     l_safe = tl.where(offs_m < L, l_i, 1.0)
     _store_tile(O, acc / l_safe[:, None], sob, soh, sol, sod, b, h, offs_m, offs_d, L, HEAD_DIM)
     tl.store(LSE + b * slb + h * slh + offs_m, m_i + tl.math.log2(l_safe), mask=offs_m < L)
@@ -128,9 +130,9 @@ def _fwd_kernel(
 @triton.jit
 def _delta_kernel(
     O, DO, DELTA, L, H, sob, soh, sol, sod, sdb, sdh, sdl, sdd, slb, slh,
-    HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    b, h, offs_m, offs_d = _program(H, BLOCK_M, DP)
+    b, h, offs_m, offs_d = _program(H, BLOCK, DP)
     o = _load_tile(O, sob, soh, sol, sod, b, h, offs_m, offs_d, L, HEAD_DIM)
     do = _load_tile(DO, sdb, sdh, sdl, sdd, b, h, offs_m, offs_d, L, HEAD_DIM)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -142,31 +144,28 @@ def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, qk_scale, sm_scale, L, W, H,
     sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, sdb, sdh, sdl, sdd, slb, slh,
     sgb, sgh, sgl, sgd,
-    HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """dK and dV of one key block, over the query blocks that see it (dk, dv share the strides sg*)."""
-    b, h, offs_n, offs_d = _program(H, BLOCK_N, DP)
+    """dK and dV of one key block, over the N_BLOCKS query blocks from its own on, the ones that see it
+    (past the sequence they are masked out); dk and dv share the strides sg*."""
+    b, h, offs_n, offs_d = _program(H, BLOCK, DP)
     k = _load_tile(K, skb, skh, skl, skd, b, h, offs_n, offs_d, L, HEAD_DIM)
     v = _load_tile(V, svb, svh, svl, svd, b, h, offs_n, offs_d, L, HEAD_DIM)
-    dk = tl.zeros([BLOCK_N, DP], tl.float32)
-    dv = tl.zeros([BLOCK_N, DP], tl.float32)
-    first_key = tl.program_id(0) * BLOCK_N
-    start = first_key // BLOCK_M * BLOCK_M
-    end = tl.minimum(first_key + BLOCK_N - 1 + W, L)  # the last query that sees this block, + 1
-    while start < end:
-        offs_m = start + tl.arange(0, BLOCK_M)
+    dk = tl.zeros([BLOCK, DP], tl.float32)
+    dv = tl.zeros([BLOCK, DP], tl.float32)
+    for i in range(N_BLOCKS):
+        offs_m = (tl.program_id(0) + i) * BLOCK + tl.arange(0, BLOCK)
         q = _load_tile(Q, sqb, sqh, sql, sqd, b, h, offs_m, offs_d, L, HEAD_DIM)
         do = _load_tile(DO, sdb, sdh, sdl, sdd, b, h, offs_m, offs_d, L, HEAD_DIM)
         lse = _load_rows(LSE, slb, slh, b, h, offs_m, L)
         delta = _load_rows(DELTA, slb, slh, b, h, offs_m, L)
-        st = _dot(k, tl.trans(q), UPCAST, PREC) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
-        band = _band_mask(offs_m[None, :], offs_n[:, None], L, W)  # (BLOCK_N, BLOCK_M)
+        st = _dot(k, tl.trans(q), UPCAST, PREC) * qk_scale  # (keys, queries), log2 units
+        band = _band_mask(offs_m[None, :], offs_n[:, None], L, W)
         pt = tl.where(band, tl.math.exp2(st - lse[None, :]), 0.0)
         dv += _dot(pt.to(do.dtype), do, UPCAST, PREC)
         dst = pt * (_dot(v, tl.trans(do), UPCAST, PREC) - delta[None, :])
         dk += _dot(dst.to(q.dtype), q, UPCAST, PREC)
-        start += BLOCK_M
     _store_tile(DK, dk * sm_scale, sgb, sgh, sgl, sgd, b, h, offs_n, offs_d, L, HEAD_DIM)
     _store_tile(DV, dv, sgb, sgh, sgl, sgd, b, h, offs_n, offs_d, L, HEAD_DIM)
 
@@ -176,26 +175,25 @@ def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ, qk_scale, sm_scale, L, W, H,
     sqb, sqh, sql, sqd, skb, skh, skl, skd, svb, svh, svl, svd, sdb, sdh, sdl, sdd, slb, slh,
     sgb, sgh, sgl, sgd,
-    HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block, over the key blocks it sees."""
-    b, h, offs_m, offs_d = _program(H, BLOCK_M, DP)
+    b, h, offs_m, offs_d = _program(H, BLOCK, DP)
     q = _load_tile(Q, sqb, sqh, sql, sqd, b, h, offs_m, offs_d, L, HEAD_DIM)
     do = _load_tile(DO, sdb, sdh, sdl, sdd, b, h, offs_m, offs_d, L, HEAD_DIM)
     lse = _load_rows(LSE, slb, slh, b, h, offs_m, L)
     delta = _load_rows(DELTA, slb, slh, b, h, offs_m, L)
-    dq = tl.zeros([BLOCK_M, DP], tl.float32)
-    start, end = _key_range(tl.program_id(0) * BLOCK_M, BLOCK_M, BLOCK_N, L, W)
-    while start < end:
-        offs_n = start + tl.arange(0, BLOCK_N)
+    dq = tl.zeros([BLOCK, DP], tl.float32)
+    start = _first_key_block(tl.program_id(0) * BLOCK, BLOCK, N_BLOCKS)
+    for i in range(N_BLOCKS):
+        offs_n = start + i * BLOCK + tl.arange(0, BLOCK)
         k = _load_tile(K, skb, skh, skl, skd, b, h, offs_n, offs_d, L, HEAD_DIM)
         v = _load_tile(V, svb, svh, svl, svd, b, h, offs_n, offs_d, L, HEAD_DIM)
         s = _dot(q, tl.trans(k), UPCAST, PREC) * qk_scale
         p = tl.where(_band_mask(offs_m[:, None], offs_n[None, :], L, W), tl.math.exp2(s - lse[:, None]), 0.0)
         ds = p * (_dot(do, tl.trans(v), UPCAST, PREC) - delta[:, None])
         dq += _dot(ds.to(k.dtype), k, UPCAST, PREC)
-        start += BLOCK_N
     _store_tile(DQ, dq * sm_scale, sgb, sgh, sgl, sgd, b, h, offs_m, offs_d, L, HEAD_DIM)
 
 
@@ -230,12 +228,16 @@ def _check_launchable(q: torch.Tensor) -> None:
         )
 
 
-def _meta(q: torch.Tensor) -> dict:
+def _meta(q: torch.Tensor, window: int) -> dict:
+    """The kernels' compile-time settings: head dim, its power-of-two padding, the tile, and N_BLOCKS, the
+    key blocks a query block sees (= the query blocks that see a key block): 1 + ceil((w - 1) / BLOCK),
+    a constant loop bound (pipelined when compiled; the interpreter takes no runtime bound)."""
     D = q.shape[-1]
     upcast = _interpreted() and q.dtype == torch.bfloat16
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    n_blocks = 1 + triton.cdiv(window - 1, BLOCK)
     return {"HEAD_DIM": D, "DP": max(16, triton.next_power_of_2(D)), "num_warps": 4 if D <= 64 else 8,
-            "UPCAST": upcast, "PREC": prec}  # fmt: skip
+            "UPCAST": upcast, "PREC": prec, "BLOCK": BLOCK, "N_BLOCKS": n_blocks}  # fmt: skip
 
 
 OP_TAGS = (torch.Tag.needs_fixed_stride_order,)
@@ -249,11 +251,11 @@ def window_attn_fwd(
     _check_launchable(q)
     B, H, L, _ = q.shape
     out, lse = _fwd_outputs(q, v)
+    window = min(window, L)  # the same attention; a shorter loop
     grid = (triton.cdiv(L, BLOCK), B * H)
     _fwd_kernel[grid](
         q, k, v, out, lse, scale * _LOG2E, L, window, H,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride()[:2],
-        BLOCK_M=BLOCK, BLOCK_N=BLOCK, **_meta(q),
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride()[:2], **_meta(q, window),
     )  # fmt: skip
     return out, lse
 
@@ -272,19 +274,20 @@ def window_attn_bwd(
     _check_launchable(q)
     B, H, L, _ = q.shape
     dq, dk, dv, delta = _bwd_outputs(q, k, v)
-    meta = _meta(q)
+    window = min(window, L)
+    meta = _meta(q, window)
     grid = (triton.cdiv(L, BLOCK), B * H)
     _delta_kernel[grid](
         out, dout, delta, L, H, *out.stride(), *dout.stride(), *delta.stride()[:2],
-        HEAD_DIM=meta["HEAD_DIM"], DP=meta["DP"], BLOCK_M=BLOCK,
+        HEAD_DIM=meta["HEAD_DIM"], DP=meta["DP"], BLOCK=BLOCK,
     )  # fmt: skip
     common = (
         q, k, v, dout, lse, delta, scale * _LOG2E, scale, L, window, H,
         *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride()[:2],
     )  # fmt: skip
     assert dk.stride() == dv.stride()
-    _dkdv_kernel[grid](*common[:6], dk, dv, *common[6:], *dk.stride(), BLOCK_M=BLOCK, BLOCK_N=BLOCK, **meta)
-    _dq_kernel[grid](*common[:6], dq, *common[6:], *dq.stride(), BLOCK_M=BLOCK, BLOCK_N=BLOCK, **meta)
+    _dkdv_kernel[grid](*common[:6], dk, dv, *common[6:], *dk.stride(), **meta)
+    _dq_kernel[grid](*common[:6], dq, *common[6:], *dq.stride(), **meta)
     return dq, dk, dv, delta
 
 
