@@ -446,3 +446,33 @@ def test_an_optimizer_left_to_its_default_runs_foreach_on_cuda():
     from torch.optim import adam, optimizer
 
     assert adam._default_to_fused_or_foreach is optimizer._default_to_fused_or_foreach  # restored
+
+
+def test_cudas_softmax_backward_keeps_a_grad_sized_temporary():
+    """SoftMax.cu's softmax_backward_cuda_out computes `tmp = grad * output` before the reduction: the CUDA
+    target adds it (an activation, not a library workspace) for the call; the CPU target, whose kernel has
+    none, does not."""
+    step = TrainStep(
+        build_model=lambda: nn.Linear(64, 256),
+        make_batch=lambda d: torch.randn(32, 64, device=d),
+        loss=lambda m, x: m(x).softmax(-1).square().sum(),
+        amp_dtype=None,
+    )
+    what = "softmax backward's grad * output"
+    cuda = trace_step(step, device="cuda")
+    tmp = [r for r in cuda.records if r[OP] == what]
+    assert [r[0] for r in tmp] == [32 * 256 * 4] * 2 and all(r[1] == "activations" for r in tmp)  # 2 steps
+    assert not [r for r in trace_step(step).records if r[OP] == what]
+    assert what not in cuda.report.cuda.libraries
+
+
+def test_the_ginr_attn_baseline_within_two_percent_of_the_h200():
+    """The naive-attention baseline's step measured 30.57 GiB (max_memory_allocated) on the H200; the trace
+    without CUDA's softmax-backward temporary read -7.3%."""
+    from memfit.estimate.rules import assume_kernels
+    from memfit.system import load_system
+
+    entry = next(e for e in load_system("ginr-cifar").budgets() if e.variant == "attn")
+    with assume_kernels(frozenset()):
+        est = cuda_estimate(entry.step, "h200")
+    assert abs(est.peak_bytes / (30.57 * GiB) - 1) < 0.02

@@ -236,7 +236,7 @@ class _StorageTracker(TorchDispatchMode):
             self._free(entry)
 
     def _extra_entry(self, x: workspaces.Extra) -> list:
-        return [x.nbytes, WORKSPACES]
+        return [x.nbytes, x.category or WORKSPACES]
 
     def _dead(self, ref: _Ref) -> None:
         del self._entries[ref.key]

@@ -114,11 +114,12 @@ class TraceTracker(_StorageTracker):
         return entry
 
     def _extra_entry(self, x) -> list:
-        """A CUDA library's allocation as a record: op "cuBLAS workspace (main thread)"..., made in the
-        module that ran the op."""
+        """A CUDA library's allocation (or a CUDA kernel's own temporary) as a record: op "cuBLAS workspace
+        (main thread)"..., made in the module that ran the op."""
         self.seq += 1
         module = self.path[-1] if self.path else _PHASE_LABELS.get(self.phase, "(build)")
-        entry = [x.nbytes, WORKSPACES, x.what, module, (x.nbytes,), torch.uint8, False, self.seq, None, None]
+        cat = x.category or WORKSPACES
+        entry = [x.nbytes, cat, x.what, module, (x.nbytes,), torch.uint8, False, self.seq, None, None]
         self.records.append(entry)
         return entry
 

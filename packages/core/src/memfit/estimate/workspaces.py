@@ -417,6 +417,7 @@ class Extra:
     nbytes: int
     what: str
     transient: bool  # freed when the op returns; else kept for the rest of the process
+    category: str | None = None  # None: a CUDA library's workspace; else the category it counts in
 
 
 class CudaLibraries:
@@ -441,6 +442,7 @@ class CudaLibraries:
             self._add_handler(name, self._blas)
         for name in ("_fft_r2c", "_fft_c2r", "_fft_c2c"):
             self._add_handler(name, self._fft)
+        self._add_handler("_softmax_backward_data", self._softmax_backward)
 
     def _add_handler(self, name: str, fn: Callable) -> None:
         packet = getattr(torch.ops.aten, name, None)
@@ -476,10 +478,22 @@ class CudaLibraries:
             Extra(n, what, True) for n, what in cufft_transients(func.overloadpacket.__name__, args, out) if n
         ]
 
+    def _softmax_backward(self, func, args, kwargs, out, backward) -> list[Extra]:
+        """aten/src/ATen/native/cuda/SoftMax.cu ``softmax_backward_cuda_out``: ``Tensor tmp = grad * output;``
+        then ``host_softmax_backward(tmp, output, ...)`` into the (already allocated) grad_input, so a
+        temporary the size of the gradient lives through the call, in the dtype grad * output promotes to.
+        The CPU kernel has none, so a CPU trace misses it; log_softmax's CUDA backward has none either."""
+        grad, output = args[0], args[1]
+        dtype = torch.promote_types(grad.dtype, output.dtype)
+        nbytes = grad.numel() * dtype.itemsize
+        return [Extra(nbytes, "softmax backward's grad * output", True, "activations")] if nbytes else []
+
     def summary(self) -> dict[str, int]:
         """Bytes per kind of extra: persistent ones once each, transient ones at their largest."""
         out: dict[str, int] = {}
         for e in self.made:
+            if e.category is not None:  # an op's own temporary, not a library's
+                continue
             key = e.what.split(" (")[0]
             out[key] = out.get(key, 0) + e.nbytes if not e.transient else max(out.get(key, 0), e.nbytes)
         return out
