@@ -60,8 +60,9 @@ def _band_mask(qm, kn, L, W):
 
 @triton.jit
 def _program(H, BLOCK: tl.constexpr, DP: tl.constexpr):
-    """This program's (batch, head, its BLOCK rows, the head-dim lanes)."""
-    bh = tl.program_id(1)
+    """This program's (batch, head, its BLOCK rows, the head-dim lanes); batch and head in int64, so
+    offsets past 2**31 elements (batch * heads * L * D of a large step) do not wrap."""
+    bh = tl.program_id(1).to(tl.int64)
     return bh // H, bh % H, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), tl.arange(0, DP)
 
 
