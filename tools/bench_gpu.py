@@ -1,7 +1,7 @@
 """What only a GPU can tell, in one command: scan speed, each system's step, window attention, the paths.
 
-    uv run python tools/bench_gpu.py --out gpu.json          # any CUDA machine, no build, <= 8 minutes
-    uv run python tools/bench_gpu.py --quick --out gpu.json  # fewer shapes and repeats (~5 minutes)
+    uv run python tools/bench_gpu.py --out gpu.json          # any CUDA machine, no build
+    uv run python tools/bench_gpu.py --quick --out gpu.json  # fewer shapes and repeats
     uv run python tools/bench_gpu.py --parts scan,attention  # some of the parts (a)-(e) below
 
 It prints one table per part and writes everything as JSON (after each part, so a run cut short keeps
@@ -23,7 +23,7 @@ what it measured):
     candidate tuned for each shape;
 (e) `memfit estimate --device cuda` against this GPU (tools/gpu_memory_set.py): sixteen third-party steps
     and every budget row of the four systems, naive baselines included, each from an empty allocator:
-    allocated peak, reserved peak and card total, estimated and measured (~3 minutes).
+    allocated peak, reserved peak and card total, estimated and measured.
 
 Timings are CUDA-event medians after warm-up (Triton compiles, Flex compiles); every figure names the GPU.
 ``--smoke`` runs every part at toy sizes on the CPU (the test suite's check that this script runs).
@@ -370,7 +370,7 @@ def table(rows: list[dict], cols: list[str]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_gpu.json", help="the JSON file to write (default %(default)s)")
-    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (~2 minutes)")
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: checks that the script runs")
     p.add_argument(
         "--parts", default="scan,systems,attention,d12,memory", help="comma-separated parts to run"
