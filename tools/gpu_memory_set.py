@@ -4,7 +4,7 @@ and on every budget row of the four systems (naive baselines included).
 On a machine with a GPU, each step is estimated for that GPU (memfit.estimate.measure.estimate_for) and run
 for real from an empty allocator (measure_step: 3 steps): allocated peak, reserved peak and card total,
 estimate beside measurement, printed as one table and written as JSON. tools/bench_gpu.py runs it as its
-part (e). Models come from torchvision, torchaudio and transformers with random weights (nothing is
+part (e). Models come from torchvision and transformers with random weights (nothing is
 downloaded), optimised with fused AdamW, each loss as its library computes it.
 
     uv run python tools/gpu_memory_set.py                 # on a GPU: the set and the budget rows

@@ -450,10 +450,24 @@ def test_cuda_window_leaves_out_fp32_for_flash_and_a_failing_candidate(monkeypat
 
     monkeypatch.setattr(A, "_time_candidate", clock)
     q, k, v = _qkv(1, 2, 32, 16)  # fp32: FlashAttention-2 does not take it
-    with pytest.warns(RuntimeWarning, match="candidate flex left out"):
+    with pytest.warns(RuntimeWarning, match="candidate flex left out for torch.float32, head dim 16"):
         A.cuda_window(q, k, v, 4, None)
     assert list(A.cuda_window_choices().values()) == ["blocks"]
-    assert "flex" in A._cuda_failed and stand_ins["blocks"] == 1
+    assert ("flex", torch.float32, 16) in A._cuda_failed and stand_ins["blocks"] == 1
+    # left out for inputs of that kind only: another head dim times it again
+    names = A._candidates(*_qkv(1, 2, 32, 32), 4, True)
+    assert "flex" in names and "flex" not in A._candidates(q, k, v, 4, True)
+
+
+def test_the_band_kernels_are_offered_for_what_they_take():
+    """fp32/fp16/bf16 of one dtype, equal head dims up to window_triton.MAX_HEAD_DIM."""
+    from memfit.ops.window_triton import MAX_HEAD_DIM
+
+    assert "triton" in A._candidates(*_qkv(1, 2, 32, 16), 4, True)  # fp32 too (full-precision dots)
+    assert "triton" in A._candidates(*_qkv(1, 2, 32, MAX_HEAD_DIM, dtype=torch.bfloat16), 4, False)
+    for q, k, v in (_qkv(1, 2, 32, 16, dtype=torch.float64), _qkv(1, 2, 32, MAX_HEAD_DIM + 8),
+                    [*_qkv(1, 2, 32, 16)[:2], torch.zeros(1, 2, 32, 8)]):  # fmt: skip
+        assert "triton" not in A._candidates(q, k, v, 4, True)
 
 
 def test_the_narrow_flex_candidate_is_timed_for_narrow_windows_in_training_only(monkeypatch, stand_ins):

@@ -84,8 +84,8 @@ def test_the_ops_pass_opcheck():
 
 
 def test_the_fakes_allocate_what_the_kernels_write():
-    """Under fake tensors (the estimator, torch.compile) the ops make the outputs, the fp32 log-sum-exp and
-    the backward's row sums, and nothing of size L x window."""
+    """Under fake tensors (the estimator, torch.compile) the ops make what the real ops return: the output,
+    the fp32 log-sum-exp, the gradients and the backward's row sums (the kernels allocate nothing else)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
@@ -103,9 +103,12 @@ def test_bad_arguments_are_refused_in_one_line():
         W.window_attention_triton(q, torch.zeros(1, 1, 9, 16), q, 4)
     with pytest.raises(TypeError, match="one dtype"):
         W.window_attention_triton(q, q.double(), q, 4)
-    with pytest.raises(ValueError, match="head dim up to 256"):
-        big = torch.zeros(1, 1, 8, 512)
+    with pytest.raises(ValueError, match=f"head dim up to {W.MAX_HEAD_DIM}"):
+        big = torch.zeros(1, 1, 8, 2 * W.MAX_HEAD_DIM)
         W.window_attention_triton(big, big, big, 4)
+    for window in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="window must be a positive int"):
+            W.window_attention_triton(q, q, q, window)
 
 
 @pytest.mark.cuda
@@ -114,3 +117,5 @@ def test_cuda_matches_the_reference_at_real_sizes(L, w, layout):
     _check(2, 4, L, 64, w, torch.bfloat16, layout, device="cuda")
     _check(1, 2, L, 64, w, torch.float16, layout, device="cuda")
     _check(1, 2, L, 64, w, torch.float32, layout, device="cuda")  # full-precision dots (ieee)
+    _check(1, 2, L, W.MAX_HEAD_DIM, w, torch.bfloat16, layout, device="cuda")  # the widest heads taken
+    _check(1, 2, L, W.MAX_HEAD_DIM, w, torch.float32, layout, device="cuda")

@@ -381,28 +381,41 @@ def cudnn_rnn_workspace_bytes(
     """Bytes of cuDNN's RNN workspace for a training call (the forward and each of the backward's two),
     from the measured table ``CUDNN_RNN_WORKSPACE`` (H200, cuDNN 9.19.0).
 
-    Between the recorded sizes a line's a and b are interpolated linearly in log2(hidden), log2(input) and
-    the number of layers; outside them hidden and input take the nearest recorded size, and layers beyond
-    2 continue the 1-to-2-layer step (each layer adds about what the second did). Other GPUs, cuDNN
-    versions and half-precision RNNs were not measured: the H200's fp32 readings stand in."""
+    Between the recorded sizes a line's a and b are interpolated linearly in log2(hidden) and log2(input);
+    outside them hidden and input take the nearest recorded size. Two layers never take less than one (the
+    two-layer lines have the smaller per-(T * B) slope in some configurations, which only matters far past
+    the readings); layers beyond the recorded 2 add the constant the second layer added and keep the larger
+    slope.
+    Other GPUs, cuDNN versions and half-precision RNNs were not measured: the H200's fp32 readings stand
+    in."""
     table_mode = mode if mode in ("gru", "lstm") else "gru"
     dirs = 2 if bidirectional else 1
 
-    def weight(x: float, lo: float, hi: float, clamp_high: bool = True) -> float:
-        t = (x - lo) / (hi - lo)
-        return max(0.0, min(1.0, t) if clamp_high else t)
+    def weight(x: float, lo: float, hi: float) -> float:
+        return max(0.0, min(1.0, (x - lo) / (hi - lo)))
 
     th = weight(math.log2(max(hidden, 1)), 7, 9)
     ti = weight(math.log2(max(input_size, 1)), 6, 8)
-    tl = weight(layers, 1, 2, clamp_high=False)
-    a = b = 0.0
-    for h, wh in ((128, 1 - th), (512, th)):
-        for i, wi in ((64, 1 - ti), (256, ti)):
-            for L, wl in ((1, 1 - tl), (2, tl)):
-                la, lb = CUDNN_RNN_WORKSPACE[(table_mode, dirs, L, h, i)]
-                a += wh * wi * wl * la
-                b += wh * wi * wl * lb
-    return max(0, round(a + b * seq * batch))
+
+    def line(layers_: int) -> tuple[float, float]:
+        a = b = 0.0
+        for h, wh in ((128, 1 - th), (512, th)):
+            for i, wi in ((64, 1 - ti), (256, ti)):
+                la, lb = CUDNN_RNN_WORKSPACE[(table_mode, dirs, layers_, h, i)]
+                a += wh * wi * la
+                b += wh * wi * lb
+        return a, b
+
+    (a1, b1), (a2, b2) = line(1), line(2)
+    tb = seq * batch
+    one = a1 + b1 * tb
+    if layers <= 1:
+        size = one
+    elif layers == 2:
+        size = max(a2 + b2 * tb, one)  # the fitted line, never below one layer's (far past the readings)
+    else:
+        size = a2 + (layers - 2) * max(a2 - a1, 0.0) + max(b1, b2) * tb
+    return max(0, round(size))
 
 
 # ----------------------------------------------------------------------------------------------------

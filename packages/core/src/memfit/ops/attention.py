@@ -506,10 +506,12 @@ def triton_window(q, k, v, window, scale):
 
 
 def _triton_problem(q, k, v) -> str | None:
+    from memfit.ops.window_triton import MAX_HEAD_DIM
+
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         return f"{q.dtype}: the band kernels take fp32/fp16/bf16 of one dtype"
-    if q.shape[-1] > 256 or v.shape[-1] != q.shape[-1] or k.shape != q.shape:
-        return "head dims over 256 or unequal"
+    if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] != q.shape[-1] or k.shape != q.shape:
+        return f"head dims over {MAX_HEAD_DIM} or unequal"
     return None
 
 
@@ -521,7 +523,9 @@ CUDA_WINDOW_CANDIDATES = {
     "blocks": sdpa_blocks,
 }
 _cuda_choice: dict[tuple, str] = {}
-_cuda_failed: dict[str, str] = {}
+# (candidate, dtype, head dim) -> why it failed there: left out for inputs of that kind only (a kernel
+# that cannot compile for one head dim or dtype may well run for others)
+_cuda_failed: dict[tuple, str] = {}
 TUNE_REPEATS = 3
 
 
@@ -530,8 +534,12 @@ def cuda_window_choices() -> dict[tuple, str]:
     return dict(_cuda_choice)
 
 
+def _failure_key(name: str, q) -> tuple:
+    return (name, q.dtype, q.shape[-1])
+
+
 def _candidates(q, k, v, window: int, backward: bool) -> list[str]:
-    names = [n for n in CUDA_WINDOW_CANDIDATES if n not in _cuda_failed]
+    names = [n for n in CUDA_WINDOW_CANDIDATES if _failure_key(n, q) not in _cuda_failed]
     if "varlen" in names and _varlen_problem(q, k, v) is not None:
         names.remove("varlen")
     if "triton" in names and _triton_problem(q, k, v) is not None:
@@ -570,11 +578,12 @@ def _tune(key: tuple, q, k, v, window: int, scale, backward: bool) -> str:
         try:
             timings[name] = _time_candidate(name, q, k, v, window, scale, backward)
         except Exception as e:  # noqa: BLE001 - a candidate this GPU/torch cannot run is left out, said once
-            _cuda_failed[name] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+            _cuda_failed[_failure_key(name, q)] = why
             import warnings
 
-            warnings.warn(f"memfit: window attention candidate {name} left out ({_cuda_failed[name]})",
-                          RuntimeWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(f"memfit: window attention candidate {name} left out for {q.dtype}, head dim "
+                          f"{q.shape[-1]} ({why})", RuntimeWarning, stacklevel=3)  # fmt: skip
     name = min(timings, key=timings.get) if timings else "blocks"
     _cuda_choice[key] = name
     return name
@@ -674,7 +683,8 @@ def flash_like(q, k, v, window: int, scale):
 def attention(q, k, v, *, causal=False, window=None, scale=None, backend=None):
     """q, k, v (B, H, L, D) as SDPA -> (B, H, Lq, D); window=w: causal window, query i sees keys i-w+1..i.
 
-    ``backend`` (or ``force_backend``) picks a path by name: auto (default), flash, sdpa, flex, band, ref.
+    ``backend`` (or ``force_backend``) picks a path by name: auto (default), or one of ``BACKENDS``
+    (flash, sdpa, flex, flex_narrow, varlen, triton, blocks, band, ref).
     """
     _validate(q, k, v, causal, window, scale)
     name = backend or getattr(_forced, "name", None) or "auto"

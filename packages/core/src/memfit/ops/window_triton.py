@@ -7,7 +7,7 @@ accumulator are fp32.
 
 Kernels
 -------
-* Forward, grid (cdiv(L, BLOCK), batch * heads): one query block against only the key blocks its window
+* Forward, grid (batch * heads, cdiv(L, BLOCK)): one query block against only the key blocks its window
   reaches (``N_BLOCKS = 1 + ceil((w - 1) / BLOCK)``, a compile-time loop bound), online softmax in
   registers; it writes the output and each row's log-sum-exp (fp32, log2 units), the only tensor kept for
   backward beside q, k, v and the output: nothing of size L x w is stored.
@@ -39,6 +39,9 @@ __all__ = ["window_attention_triton", "why_unavailable"]
 
 _LOG2E = 1.4426950408889634
 BLOCK = 64  # queries and keys per tile
+# A (64, head dim) tile per operand, the backward's dK/dV kernel holding four of them in fp32: up to 128 the
+# registers hold them (head dims of GPT-2/Llama-style models: 64, 128); wider heads take the other candidates.
+MAX_HEAD_DIM = 128
 
 
 @triton.jit
@@ -60,15 +63,17 @@ def _band_mask(qm, kn, L, W):
 
 @triton.jit
 def _program(H, BLOCK: tl.constexpr, DP: tl.constexpr):
-    """This program's (batch, head, its BLOCK rows, the head-dim lanes); batch and head in int64, so
-    offsets past 2**31 elements (batch * heads * L * D of a large step) do not wrap."""
-    bh = tl.program_id(1).to(tl.int64)
-    return bh // H, bh % H, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), tl.arange(0, DP)
+    """This program's (batch, head, first row, its BLOCK rows, the head-dim lanes). The grid is
+    (batch * heads, row blocks): batch * heads on axis 0, whose limit is 2**31 - 1 (axis 1 stops at
+    65535). Batch and head in int64, so offsets past 2**31 elements do not wrap."""
+    bh = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * BLOCK
+    return bh // H, bh % H, first, first + tl.arange(0, BLOCK), tl.arange(0, DP)
 
 
 @triton.jit
 def _tile_ptrs(X, sb, sh, sl, sd, b, h, rows, offs_d):
-    return X + b * sb + h * sh + rows[:, None] * sl + offs_d[None, :] * sd
+    return X + b * sb + h * sh + rows[:, None].to(tl.int64) * sl + offs_d[None, :] * sd
 
 
 @triton.jit
@@ -104,12 +109,12 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, N_BLOCKS: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    b, h, offs_m, offs_d = _program(H, BLOCK, DP)
+    b, h, first, offs_m, offs_d = _program(H, BLOCK, DP)
     q = _load_tile(Q, sqb, sqh, sql, sqd, b, h, offs_m, offs_d, L, HEAD_DIM)
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, DP], tl.float32)
-    start = _first_key_block(tl.program_id(0) * BLOCK, BLOCK, N_BLOCKS)
+    start = _first_key_block(first, BLOCK, N_BLOCKS)
     for i in range(N_BLOCKS):
         offs_n = start + i * BLOCK + tl.arange(0, BLOCK)
         k = _load_tile(K, skb, skh, skl, skd, b, h, offs_n, offs_d, L, HEAD_DIM)
@@ -133,7 +138,7 @@ def _delta_kernel(
     O, DO, DELTA, L, H, sob, soh, sol, sod, sdb, sdh, sdl, sdd, slb, slh,
     HEAD_DIM: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    b, h, offs_m, offs_d = _program(H, BLOCK, DP)
+    b, h, _, offs_m, offs_d = _program(H, BLOCK, DP)
     o = _load_tile(O, sob, soh, sol, sod, b, h, offs_m, offs_d, L, HEAD_DIM)
     do = _load_tile(DO, sdb, sdh, sdl, sdd, b, h, offs_m, offs_d, L, HEAD_DIM)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
@@ -150,13 +155,13 @@ def _dkdv_kernel(
 ):  # fmt: skip
     """dK and dV of one key block, over the N_BLOCKS query blocks from its own on, the ones that see it
     (past the sequence they are masked out); dk and dv share the strides sg*."""
-    b, h, offs_n, offs_d = _program(H, BLOCK, DP)
+    b, h, first, offs_n, offs_d = _program(H, BLOCK, DP)
     k = _load_tile(K, skb, skh, skl, skd, b, h, offs_n, offs_d, L, HEAD_DIM)
     v = _load_tile(V, svb, svh, svl, svd, b, h, offs_n, offs_d, L, HEAD_DIM)
     dk = tl.zeros([BLOCK, DP], tl.float32)
     dv = tl.zeros([BLOCK, DP], tl.float32)
     for i in range(N_BLOCKS):
-        offs_m = (tl.program_id(0) + i) * BLOCK + tl.arange(0, BLOCK)
+        offs_m = first + i * BLOCK + tl.arange(0, BLOCK)
         q = _load_tile(Q, sqb, sqh, sql, sqd, b, h, offs_m, offs_d, L, HEAD_DIM)
         do = _load_tile(DO, sdb, sdh, sdl, sdd, b, h, offs_m, offs_d, L, HEAD_DIM)
         lse = _load_rows(LSE, slb, slh, b, h, offs_m, L)
@@ -180,13 +185,13 @@ def _dq_kernel(
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block, over the key blocks it sees."""
-    b, h, offs_m, offs_d = _program(H, BLOCK, DP)
+    b, h, first, offs_m, offs_d = _program(H, BLOCK, DP)
     q = _load_tile(Q, sqb, sqh, sql, sqd, b, h, offs_m, offs_d, L, HEAD_DIM)
     do = _load_tile(DO, sdb, sdh, sdl, sdd, b, h, offs_m, offs_d, L, HEAD_DIM)
     lse = _load_rows(LSE, slb, slh, b, h, offs_m, L)
     delta = _load_rows(DELTA, slb, slh, b, h, offs_m, L)
     dq = tl.zeros([BLOCK, DP], tl.float32)
-    start = _first_key_block(tl.program_id(0) * BLOCK, BLOCK, N_BLOCKS)
+    start = _first_key_block(first, BLOCK, N_BLOCKS)
     for i in range(N_BLOCKS):
         offs_n = start + i * BLOCK + tl.arange(0, BLOCK)
         k = _load_tile(K, skb, skh, skl, skd, b, h, offs_n, offs_d, L, HEAD_DIM)
@@ -253,7 +258,7 @@ def window_attn_fwd(
     B, H, L, _ = q.shape
     out, lse = _fwd_outputs(q, v)
     window = min(window, L)  # the same attention; a shorter loop
-    grid = (triton.cdiv(L, BLOCK), B * H)
+    grid = (B * H, triton.cdiv(L, BLOCK))
     _fwd_kernel[grid](
         q, k, v, out, lse, scale * _LOG2E, L, window, H,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride()[:2], **_meta(q, window),
@@ -277,7 +282,7 @@ def window_attn_bwd(
     dq, dk, dv, delta = _bwd_outputs(q, k, v)
     window = min(window, L)
     meta = _meta(q, window)
-    grid = (triton.cdiv(L, BLOCK), B * H)
+    grid = (B * H, triton.cdiv(L, BLOCK))
     _delta_kernel[grid](
         out, dout, delta, L, H, *out.stride(), *dout.stride(), *delta.stride()[:2],
         HEAD_DIM=meta["HEAD_DIM"], DP=meta["DP"], BLOCK=BLOCK,
@@ -324,8 +329,10 @@ def window_attention_triton(q, k, v, window: int, scale: float | None = None) ->
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"window_attention_triton: fp32/fp16/bf16 inputs of one dtype, got {q.dtype}, "
                         f"{k.dtype}, {v.dtype}")  # fmt: skip
-    if q.shape[-1] > 256:
-        raise ValueError(f"window_attention_triton: head dim up to 256, got {q.shape[-1]}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"window_attention_triton: head dim up to {MAX_HEAD_DIM}, got {q.shape[-1]}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window_attention_triton: window must be a positive int, got {window!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _WindowAttention.apply(q, k, v, int(window), scale)
 
