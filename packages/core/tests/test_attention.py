@@ -525,3 +525,19 @@ def test_cuda_auto_window_is_tuned_and_matches_reference():
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=128), q32, k32, v32)
     _assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("autotune,block", [(False, 128), (True, 64)])
+def test_the_compiled_flex_wrappers_trace_and_match_the_reference_on_the_cpu(autotune, block):
+    """What the CUDA candidates compile (``_flex_default`` / ``_flex_autotuned``, each its own code object),
+    compiled here by inductor's CPU template: dynamo follows the wrapper into flex_attention with the
+    cached block mask and the kernel options, and the result is the window's (~15 s: a C++ compile)."""
+    q, k, v = (t.detach() for t in _qkv(1, 2, 256, 16))
+    A._flex(q, autotune)  # imports flex_attention for the wrappers
+    fn = torch.compile(A._flex_autotuned if autotune else A._flex_default, dynamic=False)
+    options = {"ROWS_GUARANTEED_SAFE": True} if autotune else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = fn(q, k, v, A.window_block_mask(256, 64, "cpu", block), None, options)
+    torch.testing.assert_close(out, attention_ref(q, k, v, window=64), atol=2e-5, rtol=0)

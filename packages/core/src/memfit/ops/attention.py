@@ -211,6 +211,17 @@ def window_block_mask(L: int, window: int, device="cpu", block: int = FLEX_BLOCK
 
 
 _compiled_flex: dict[bool, object] = {}
+_flex_attention = None  # torch's flex_attention, imported on first use
+
+
+# Two functions with the same body on purpose: each compiled mode gets its own code object, so dynamo's
+# recompile limit (8 shapes per code object) is not shared between them.
+def _flex_default(q, k, v, block_mask, scale, kernel_options=None):
+    return _flex_attention(q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options)
+
+
+def _flex_autotuned(q, k, v, block_mask, scale, kernel_options=None):
+    return _flex_attention(q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options)
 
 
 def _flex(q, autotune: bool):
@@ -218,13 +229,17 @@ def _flex(q, autotune: bool):
     there); compiled on CUDA, where it runs the block-sparse kernel, with inductor's default kernel
     configurations or (``autotune``) the fastest of its autotuning set (max-autotune, timed once per shape
     at compile time)."""
-    from torch.nn.attention.flex_attention import flex_attention
+    global _flex_attention
+    if _flex_attention is None:
+        from torch.nn.attention.flex_attention import flex_attention
 
+        _flex_attention = flex_attention
     if not registry.is_cuda(q):
-        return flex_attention
+        return _flex_default
     if autotune not in _compiled_flex:
         mode = "max-autotune-no-cudagraphs" if autotune else None
-        _compiled_flex[autotune] = torch.compile(flex_attention, dynamic=False, mode=mode)
+        fn = _flex_autotuned if autotune else _flex_default
+        _compiled_flex[autotune] = torch.compile(fn, dynamic=False, mode=mode)
     return _compiled_flex[autotune]
 
 
@@ -232,7 +247,7 @@ def flex_window(q, k, v, window, scale):
     """A causal window of ``window`` keys with FlexAttention in blocks of ``FLEX_BLOCK`` (128, its default
     and what inductor's default kernel configurations tile by)."""
     block_mask = _BLOCK_MASKS.get(q.shape[-2], window, q.device, FLEX_BLOCK)
-    return _flex(q, autotune=False)(q, k, v, block_mask=block_mask, scale=scale)
+    return _flex(q, autotune=False)(q, k, v, block_mask, scale)
 
 
 def flex_narrow_window(q, k, v, window, scale):
@@ -245,7 +260,7 @@ def flex_narrow_window(q, k, v, window, scale):
     key, so no row is empty (``ROWS_GUARANTEED_SAFE``)."""
     block_mask = _BLOCK_MASKS.get(q.shape[-2], window, q.device, FLEX_NARROW_BLOCK)
     options = {"ROWS_GUARANTEED_SAFE": True}
-    return _flex(q, autotune=True)(q, k, v, block_mask=block_mask, scale=scale, kernel_options=options)
+    return _flex(q, autotune=True)(q, k, v, block_mask, scale, options)
 
 
 # ----------------------------------------------------------------------------------------------------
