@@ -211,17 +211,23 @@ def window_block_mask(L: int, window: int, device="cpu", block: int = FLEX_BLOCK
 
 
 _compiled_flex: dict[bool, object] = {}
-_flex_attention = None  # torch's flex_attention, imported on first use
+_flex_module = (
+    None  # torch.nn.attention.flex_attention, imported on first use (its function looked up per call)
+)
 
 
 # Two functions with the same body on purpose: each compiled mode gets its own code object, so dynamo's
 # recompile limit (8 shapes per code object) is not shared between them.
 def _flex_default(q, k, v, block_mask, scale, kernel_options=None):
-    return _flex_attention(q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options)
+    return _flex_module.flex_attention(
+        q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options
+    )
 
 
 def _flex_autotuned(q, k, v, block_mask, scale, kernel_options=None):
-    return _flex_attention(q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options)
+    return _flex_module.flex_attention(
+        q, k, v, block_mask=block_mask, scale=scale, kernel_options=kernel_options
+    )
 
 
 def _flex(q, autotune: bool):
@@ -229,11 +235,11 @@ def _flex(q, autotune: bool):
     there); compiled on CUDA, where it runs the block-sparse kernel, with inductor's default kernel
     configurations or (``autotune``) the fastest of its autotuning set (max-autotune, timed once per shape
     at compile time)."""
-    global _flex_attention
-    if _flex_attention is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    global _flex_module
+    if _flex_module is None:
+        from torch.nn.attention import flex_attention
 
-        _flex_attention = flex_attention
+        _flex_module = flex_attention
     if not registry.is_cuda(q):
         return _flex_default
     if autotune not in _compiled_flex:
