@@ -459,6 +459,19 @@ def test_cuda_window_leaves_out_fp32_for_flash_and_a_failing_candidate(monkeypat
     assert "flex" in names and "flex" not in A._candidates(q, k, v, 4, True)
 
 
+def test_tuning_says_once_per_process_what_the_first_step_of_a_shape_waits_for(
+    monkeypatch, stand_ins, capsys
+):
+    monkeypatch.setattr(A, "_time_candidate", lambda name, *args: 1.0)
+    monkeypatch.setattr(A, "_said_tuning", False)
+    q, k, v = _qkv(1, 2, 64, 16, dtype=torch.bfloat16)
+    A.cuda_window(q, k, v, 8, None)
+    A.cuda_window(*_qkv(1, 2, 96, 16, dtype=torch.bfloat16), 8, None)  # a second shape: tuned, not said
+    err = capsys.readouterr().err
+    assert err.count("[memfit] timing 5 window-attention kernels once per new shape") == 1, err
+    assert "Flex's autotuned one" in err and "flex_narrow" in err
+
+
 def test_the_band_kernels_are_offered_for_what_they_take():
     """fp32/fp16/bf16 of one dtype, equal head dims up to window_triton.MAX_HEAD_DIM."""
     from memfit.ops.window_triton import MAX_HEAD_DIM

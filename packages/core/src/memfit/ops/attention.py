@@ -593,9 +593,21 @@ def _time_candidate(name: str, q, k, v, window: int, scale, backward: bool) -> f
     return sorted(times)[len(times) // 2]
 
 
+_said_tuning = False
+
+
 def _tune(key: tuple, q, k, v, window: int, scale, backward: bool) -> str:
+    global _said_tuning
+    names = _candidates(q, k, v, window, backward)
+    if not _said_tuning:  # the first step of each new shape waits for this: say so once per process
+        _said_tuning = True
+        import sys
+
+        slow = " (Flex's autotuned one for tens of seconds)" if "flex_narrow" in names else ""
+        print(f"[memfit] timing {len(names)} window-attention kernels once per new shape{slow}: "
+              f"{', '.join(names)}", file=sys.stderr)  # fmt: skip
     timings = {}
-    for name in _candidates(q, k, v, window, backward):
+    for name in names:
         try:
             timings[name] = _time_candidate(name, q, k, v, window, scale, backward)
         except Exception as e:  # noqa: BLE001 - a candidate this GPU/torch cannot run is left out, said once
