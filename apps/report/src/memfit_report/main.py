@@ -38,19 +38,7 @@ def collect(systems: list[str], calibrate: bool = True, scaling: bool = True, lo
         for e in load_system(name).budgets():
             t0 = time.perf_counter()
             est = estimate_training_step(e.step)
-            row = {
-                "system": name,
-                "variant": e.variant,
-                "config": e.config,
-                "batch": e.batch,
-                "dtype": e.dtype,
-                "params": est.params,
-                "is_baseline": e.is_baseline,
-                "budget_gib": None if e.is_baseline else e.budget_gib,
-                "estimated_gib": est.peak_gib,
-                "by_category": est.category_gib(),
-                "fits": None if e.is_baseline or e.budget_gib is None else est.peak_gib <= e.budget_gib,
-            }
+            row = e.row(name, est)
             if calibrate and e.calibration is not None:
                 small_est = estimate_training_step(e.calibration)
                 small_real = measure_training_step(e.calibration)

@@ -143,19 +143,7 @@ def budget_rows(system: str | None = None, device: str = "cpu", ran: dict | None
             if ran is not None:
                 for k, n in report.ran.items():
                     ran[k] = ran.get(k, 0) + n
-            row = {
-                "system": name,
-                "variant": e.variant,
-                "config": e.config,
-                "batch": e.batch,
-                "dtype": e.dtype,
-                "params": report.params,
-                "estimated_gib": round(report.peak_gib, 4),
-                "budget_gib": None if e.is_baseline else e.budget_gib,
-                "is_baseline": e.is_baseline,
-                "fits": None if e.is_baseline or e.budget_gib is None else report.peak_gib <= e.budget_gib,
-                "by_category": {k: round(v, 4) for k, v in report.category_gib().items()},
-            }
+            row = e.row(name, report, digits=4)
             if report.cuda is not None:
                 row["reserved_gib"] = round(report.cuda.reserved / 2**30, 4)
                 row["total_gib"] = round(report.cuda.total / 2**30, 4)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from memfit.errors import ModelFileError, ModelFileMissing, UsageError, console, first_line
 
 if TYPE_CHECKING:  # torch and the estimator load on first use: `memfit systems` and `--help` stay fast
-    from memfit.estimate.memory import TrainStep
+    from memfit.estimate.memory import MemoryReport, TrainStep
 
 ENTRY_POINT_GROUP = "memfit.systems"
 SHIPPED = "shipped"  # `--run shipped`: the weights a system ships in its package
@@ -54,6 +54,28 @@ class BudgetEntry:
     # The same variant at another batch size, with or without activation checkpointing (`memfit fit`).
     make_step: Callable[[int, bool], TrainStep] | None = None
     scaling: Scaling | None = None
+
+    def row(self, system: str, report: MemoryReport, digits: int | None = None) -> dict[str, Any]:
+        """This entry's row for ``report`` (the estimate of ``step``), as `memfit budget --json` and
+        memfit-report write it; GiB rounded to ``digits`` places when given (the fit uses the exact peak)."""
+
+        def gib(x: float) -> float:
+            return x if digits is None else round(x, digits)
+
+        peak = report.peak_gib
+        return {
+            "system": system,
+            "variant": self.variant,
+            "config": self.config,
+            "batch": self.batch,
+            "dtype": self.dtype,
+            "params": report.params,
+            "estimated_gib": gib(peak),
+            "budget_gib": None if self.is_baseline else self.budget_gib,
+            "is_baseline": self.is_baseline,
+            "fits": None if self.is_baseline or self.budget_gib is None else peak <= self.budget_gib,
+            "by_category": {k: gib(v) for k, v in report.category_gib().items()},
+        }
 
 
 Command = Callable[[list[str] | None], object]
