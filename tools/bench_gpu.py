@@ -313,9 +313,8 @@ def attention_fns(q, k, v, gout, windows, device) -> dict:
 
     fns = {"SDPA causal": causal}
     for w in windows:
-        names = list(A.CUDA_WINDOW_CANDIDATES) if device.type == "cuda" else ["blocks"]
-        if w > A.FLEX_NARROW_MAX_WINDOW:  # offered only up to there (its autotuned compile takes a while)
-            names = [n for n in names if n != "flex_narrow"]
+        # on a GPU, what the tuner offers for a training key of this shape (memfit.ops.attention._candidates)
+        names = A._candidates(q, k, v, w, backward=True) if device.type == "cuda" else ["blocks"]
         for name in names:
 
             def cand(name=name, w=w):

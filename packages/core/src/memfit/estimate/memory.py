@@ -45,7 +45,7 @@ GIB = 1024**3
 MIB = 1024**2
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
-WORKSPACES = "workspaces"  # the CUDA target's fifth category: what the CUDA libraries allocate
+WORKSPACES = workspaces.WORKSPACES  # the CUDA target's fifth category: what the CUDA libraries allocate
 AMP_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
 
 
@@ -236,7 +236,7 @@ class _StorageTracker(TorchDispatchMode):
             self._free(entry)
 
     def _extra_entry(self, x: workspaces.Extra) -> list:
-        return [x.nbytes, x.category or WORKSPACES]
+        return [x.nbytes, x.category]
 
     def _dead(self, ref: _Ref) -> None:
         del self._entries[ref.key]

@@ -235,6 +235,12 @@ _DROPOUTS = (F.dropout, torch.dropout)
 _RNNS = {torch._C._VariableFunctions.gru: "gru", torch._C._VariableFunctions.lstm: "lstm"}  # what _VF calls
 
 
+def _time_major(x: torch.Tensor, batch_first: bool) -> torch.Tensor | None:
+    """RNN.cpp's ``input.transpose(0, 1).contiguous()`` of a batch-first tensor: a new (T, B, ...) copy;
+    None when the input is time-major already (no copy made)."""
+    return x.transpose(0, 1).contiguous() if batch_first else None
+
+
 class _CudnnRNN(torch.autograd.Function):
     """What ``_cudnn_rnn`` and ``_cudnn_rnn_backward`` allocate (aten/src/ATen/native/cudnn/RNN.cpp), on
     fake tensors (the op's meta kernel returns a 0-byte reserve and its backward has no fake kernel).
@@ -252,7 +258,7 @@ class _CudnnRNN(torch.autograd.Function):
     def forward(ctx, mode, hidden, layers, bidirectional, batch_first, x, hx, cx, *weights):
         D = 2 if bidirectional else 1
         T, B = (x.shape[1], x.shape[0]) if batch_first else (x.shape[0], x.shape[1])
-        copy = x.transpose(0, 1).contiguous() if batch_first else None  # freed as the call returns
+        copy = _time_major(x, batch_first)  # freed as the call returns
         out = x.new_empty((T, B, D * hidden))
         hy = x.new_empty((layers * D, B, hidden))
         cy = x.new_empty((layers * D, B, hidden)) if cx is not None else None
@@ -281,12 +287,12 @@ class _CudnnRNN(torch.autograd.Function):
         dcx = None if cx is None else torch.empty_like(cx)
         first = ctx.batch_first
         dy = dout.transpose(0, 1).contiguous() if first else dout.contiguous()
-        xt = x.transpose(0, 1).contiguous() if first else None
+        xt = _time_major(x, first)
         workspace = x.new_empty((ctx.workspace,), dtype=torch.uint8)
         del dy, xt, workspace
         # _cudnn_rnn_backward_weight: one flat weight gradient (the parameters' gradients are its views),
         # the input's copy again and the workspace
-        xt = x.transpose(0, 1).contiguous() if first else None
+        xt = _time_major(x, first)
         total = sum(math.prod(shape) for shape, _ in ctx.weights)
         flat = x.new_zeros((total,), dtype=ctx.weights[0][1])
         workspace = x.new_empty((ctx.workspace,), dtype=torch.uint8)

@@ -41,7 +41,6 @@ from memfit.estimate.memory import (
     AMP_DTYPES,
     CATEGORIES,
     GIB,
-    WORKSPACES,
     MemoryReport,
     TrainStep,
     _query,
@@ -118,8 +117,7 @@ class TraceTracker(_StorageTracker):
         (main thread)"..., made in the module that ran the op."""
         self.seq += 1
         module = self.path[-1] if self.path else _PHASE_LABELS.get(self.phase, "(build)")
-        cat = x.category or WORKSPACES
-        entry = [x.nbytes, cat, x.what, module, (x.nbytes,), torch.uint8, False, self.seq, None, None]
+        entry = [x.nbytes, x.category, x.what, module, (x.nbytes,), torch.uint8, False, self.seq, None, None]
         self.records.append(entry)
         return entry
 

@@ -423,6 +423,9 @@ def cudnn_rnn_workspace_bytes(
 # ----------------------------------------------------------------------------------------------------
 
 
+WORKSPACES = "workspaces"  # the CUDA target's fifth category: what the CUDA libraries allocate
+
+
 @dataclasses.dataclass
 class Extra:
     """An allocation the fake trace misses, made right after the outputs of the op that needs it."""
@@ -430,7 +433,7 @@ class Extra:
     nbytes: int
     what: str
     transient: bool  # freed when the op returns; else kept for the rest of the process
-    category: str | None = None  # None: a CUDA library's workspace; else the category it counts in
+    category: str = WORKSPACES  # a CUDA library's workspace, else the category an op's temporary counts in
 
 
 class CudaLibraries:
@@ -505,7 +508,7 @@ class CudaLibraries:
         """Bytes per kind of extra: persistent ones once each, transient ones at their largest."""
         out: dict[str, int] = {}
         for e in self.made:
-            if e.category is not None:  # an op's own temporary, not a library's
+            if e.category != WORKSPACES:  # an op's own temporary, not a library's
                 continue
             key = e.what.split(" (")[0]
             out[key] = out.get(key, 0) + e.nbytes if not e.transient else max(out.get(key, 0), e.nbytes)

@@ -211,9 +211,8 @@ def window_block_mask(L: int, window: int, device="cpu", block: int = FLEX_BLOCK
 
 
 _compiled_flex: dict[bool, object] = {}
-_flex_module = (
-    None  # torch.nn.attention.flex_attention, imported on first use (its function looked up per call)
-)
+# torch.nn.attention.flex_attention, imported on first use; its function is looked up at each call
+_flex_module = None
 
 
 # Two functions with the same body on purpose: each compiled mode gets its own code object, so dynamo's
