@@ -63,3 +63,28 @@ def test_the_help_still_names_every_command_and_the_heavy_ones_still_parse():
     assert estimate["code"] == 0 and "--gpu_gib" in estimate["out"] and estimate["torch"]
     systems = run_cli("systems")["out"]
     assert "mbsnet-speech  (extra commands: enhance)" in systems and "gpt2-window" in systems
+
+
+HEAVY = ("torch._dynamo", "torch._inductor", "scipy.signal")
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "mbsnet_speech.model",
+        "mbsnet_speech.enhance",
+        "mbsnet_speech.data",
+        "gpt2_window.model",
+        "gpt2_window.sample",
+        "ginr_cifar.model",
+        "moremouse_triplane.model",
+    ],
+)
+def test_a_model_or_its_inference_imports_no_compiler_and_no_scipy_signal(module):
+    """torch.compile's front end (torch._dynamo with sympy: 1 s of an idle core, 5 s of a busy one) and
+    scipy.signal (0.7 s) are imported where they run: a compiled path, the reverb augmentation, the PESQ
+    loss's filters. Importing a model, `enhance` or `generate` pays for neither."""
+    code = f"import sys, json, {module}; print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [], f"importing {module} imported these"

@@ -10,7 +10,6 @@ the ones that were not below plain runs on held-out voices (docs/results.md).
 from __future__ import annotations
 
 import numpy as np
-from scipy.signal import fftconvolve
 
 from mbsnet_speech.config import SAMPLE_RATE, Augment  # noqa: F401 - Augment: its probabilities, a setting
 
@@ -66,6 +65,8 @@ def room_response(rng: np.random.Generator, sr: int = SAMPLE_RATE) -> np.ndarray
 
 def reverb(x: np.ndarray, rng: np.random.Generator, sr: int = SAMPLE_RATE) -> np.ndarray:
     """x in a random synthetic room (room_response), same length; the direct path keeps the timing."""
+    from scipy.signal import fftconvolve  # here: scipy.signal costs 0.7 s of start-up to every importer
+
     return fftconvolve(x, room_response(rng, sr))[: len(x)].astype(np.float32)
 
 

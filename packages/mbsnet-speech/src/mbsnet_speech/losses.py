@@ -24,8 +24,6 @@ import math
 import warnings
 
 import numpy as np
-import scipy.fft
-import scipy.signal
 import torch
 import torch.nn.functional as F
 from torch_pesq import PesqLoss
@@ -99,6 +97,8 @@ class _FirPesq(PesqLoss):
         impulse[0] = 1.0
         for name in ("power_filter", "pre_filter"):
             b, a = getattr(iir, name).detach().numpy().astype(np.float64)
+            import scipy.signal  # on first use: 0.7 s of start-up for every importer of the losses
+
             cls.responses[name] = scipy.signal.lfilter(b, a, impulse)
 
     def _fir(self, signal: torch.Tensor, name: str) -> torch.Tensor:
@@ -106,6 +106,8 @@ class _FirPesq(PesqLoss):
         instead of a plain full convolution's 17,023: the loss's forward and backward at batch 4 x 1 s on
         1 thread took 13 ms instead of 53; torch-pesq's own IIR version 16 ms)."""
         n = signal.shape[1]
+        import scipy.fft
+
         size = scipy.fft.next_fast_len(n + self.TAPS - 1, real=True)
         h = torch.as_tensor(self.responses[name], dtype=signal.dtype, device=signal.device)
         return torch.fft.irfft(torch.fft.rfft(signal, size) * torch.fft.rfft(h, size), size)[:, :n]

@@ -621,7 +621,7 @@ def _tune(key: tuple, q, k, v, window: int, scale, backward: bool) -> str:
     return name
 
 
-_tune_outside_compile = torch.compiler.disable(_tune)
+_tune_outside_compile = registry.outside_compile(_tune)
 
 
 def cuda_window(q, k, v, window, scale):

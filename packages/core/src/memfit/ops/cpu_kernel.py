@@ -177,13 +177,13 @@ def library() -> ctypes.CDLL | None:
 
 
 # torch.compile takes these three as constants (it cannot trace a build or a ctypes call)
-@torch.compiler.assume_constant_result
+@registry.constant_result
 def threads() -> int:
     """Threads the kernels split their work over: torch's (fixed when a graph is compiled)."""
     return torch.get_num_threads()
 
 
-@torch.compiler.assume_constant_result
+@registry.constant_result
 def available() -> bool:
     """Whether the kernel is built or can be built here: a C compiler is found and no build has failed. The
     build itself waits for the first real call (library()), so a memory estimate, whose fake tensors never
@@ -204,7 +204,7 @@ def why_unavailable() -> str | None:
     return None
 
 
-@torch.compiler.assume_constant_result
+@registry.constant_result
 def lanes(sfx: str) -> int:
     """Channels per work item of the kernel's channel-lane path ("f32" or "f64"): the built kernel's, or,
     before it is built, what the compiler's predefined macros say it will be (the same rule as the C file's

@@ -31,8 +31,10 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -68,6 +70,35 @@ class Impl:
     package: str | None = None  # the optional distribution it comes from (None: memfit and torch)
     fake: str | None = None  # "module:attribute" whose fake ops stand in for it in an estimate's trace
     ready: str | None = None  # "module:attribute" of () -> None, or why it cannot run here (a C compiler...)
+
+
+# torch.compile's marks, without importing the compiler: `torch.compiler.disable` and
+# `assume_constant_result` import torch._dynamo (with sympy and inductor: about 1 s here, 5 s on a busy
+# core) the moment a module that uses them is imported, though most runs never compile.
+
+
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result``: the attribute it sets (torch/_dynamo/decorators.py),
+    set here so that importing the module that uses it does not import torch._dynamo."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def outside_compile(fn):
+    """``torch.compiler.disable(fn)``, made on the first call that can be inside a compile: while
+    torch._dynamo was never imported nothing is being compiled, and ``fn`` runs as it is."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -446,7 +477,7 @@ def _run_probe(impl: Impl, fn: Callable, device: torch.device) -> ProbeResult:
         return ProbeResult(False, f"the test call failed: {type(e).__name__}: {first}")
 
 
-_run_probe_outside_compile = torch.compiler.disable(_run_probe)
+_run_probe_outside_compile = outside_compile(_run_probe)
 
 
 def probe(impl: Impl, device) -> ProbeResult:
@@ -524,12 +555,12 @@ def why_not_ready(impl: Impl) -> str | None:
 
 # torch.compile takes these two as constants: they read the environment, the file system and build caches,
 # which it cannot trace, and a compiled graph keeps the implementation it was traced with
-@torch.compiler.assume_constant_result
+@constant_result
 def _ready(op: str, name: str) -> bool:
     return why_not_ready(record_of(op, name)) is None
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _switched_off(name: str) -> bool:
     return name in disabled()
 
