@@ -88,3 +88,25 @@ def test_a_model_or_its_inference_imports_no_compiler_and_no_scipy_signal(module
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == [], f"importing {module} imported these"
+
+
+def test_enhancing_a_file_runs_the_kernels_without_the_compiler(tmp_path):
+    """The CPU scan and conv kernels are torch custom ops, whose wrapper imports torch._dynamo on a
+    first call (registry.defer_compiler keeps it out until something compiles): `enhance` of a
+    1-second file imports neither the compiler nor scipy.signal, and writes its output."""
+    import numpy as np
+    import soundfile as sf
+
+    sf.write(
+        tmp_path / "one.wav", (0.1 * np.random.default_rng(0).standard_normal(16000)).astype("float32"), 16000
+    )
+    code = (
+        "import sys, json; from memfit import cli\n"
+        "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    )
+    argv = ["run", "mbsnet-speech", "enhance", str(tmp_path / "one.wav"), "--out", str(tmp_path / "out")]
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == []
+    assert (tmp_path / "out" / "one.wav").stat().st_size > 16000

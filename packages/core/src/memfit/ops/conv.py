@@ -156,3 +156,5 @@ def _channels_last(x: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
     """(batch, d, L) x as a (batch, L, d) tensor of dtype cd with d contiguous (a view when it is one)."""
     xt = cast_bdl(x, cd).transpose(1, 2)  # the scan's cast, which keeps a channel stride of 1
     return xt if xt.stride(2) == 1 else xt.contiguous()
+
+registry.defer_compiler(_conv_fwd, _conv_bwd)

@@ -101,6 +101,36 @@ def outside_compile(fn):
     return call
 
 
+def defer_compiler(*ops) -> None:
+    """A custom op's kernels, as ``torch.library.custom_op`` wraps them, import torch._dynamo on their
+    first call (``torch._disable_dynamo``, to keep the compiler out of them): 1 s of an `enhance` that never
+    compiles. That wrapper first looks for a ready-made ``__dynamo_disable`` on the function it wraps
+    (torch/_compile.py); give it one that runs the kernel as it is while torch._dynamo was never imported,
+    and otherwise what torch would have made. A torch without these internals keeps its own behaviour."""
+    for op in ops:
+        for wrapper in getattr(op, "_backend_fns", {}).values():
+            fn = getattr(wrapper, "__wrapped__", None)
+            if fn is None or getattr(fn, "__dynamo_disable", None) is not None:
+                continue
+            setattr(fn, "__dynamo_disable", _uncompiled_until_dynamo(fn))
+
+
+def _uncompiled_until_dynamo(fn):
+    made = None
+
+    def call(*args, **kwargs):
+        nonlocal made
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if made is None:
+            import torch._dynamo
+
+            made = torch._dynamo.disable(fn, True, wrapping=False)
+        return made(*args, **kwargs)
+
+    return call
+
+
 # ----------------------------------------------------------------------------------------------------
 # Preconditions: None when the implementation takes these inputs, else why not
 # ----------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from memfit.ops import cpu_kernel as _K
+from memfit.ops import registry
 from memfit.ops.scan.ref import _to, compute_dtype
 
 _LOG2E = 1.4426950408889634
@@ -323,3 +324,5 @@ def takes(u, delta, A, *args) -> str | None:
     if A.shape[1] > _K.NMAX:
         return f"state size {A.shape[1]} > the C kernel's NMAX {_K.NMAX}"
     return None
+
+registry.defer_compiler(_scan_fwd, _scan_bwd)
