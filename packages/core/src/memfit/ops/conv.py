@@ -157,4 +157,5 @@ def _channels_last(x: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
     xt = cast_bdl(x, cd).transpose(1, 2)  # the scan's cast, which keeps a channel stride of 1
     return xt if xt.stride(2) == 1 else xt.contiguous()
 
+
 registry.defer_compiler(_conv_fwd, _conv_bwd)

@@ -325,4 +325,5 @@ def takes(u, delta, A, *args) -> str | None:
         return f"state size {A.shape[1]} > the C kernel's NMAX {_K.NMAX}"
     return None
 
+
 registry.defer_compiler(_scan_fwd, _scan_bwd)
