@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from memfit.estimate.memory import GIB, TrainStep, estimate_training_step, measure_training_step
+from moremouse_triplane.baselines import NaiveSelfAttention
 from moremouse_triplane.model import SelfAttention
 from moremouse_triplane.system import budget_entries
 
@@ -14,7 +15,7 @@ SEED_ATTENTION_GIB = 4 * 16 * 12_288**2 * 4 / GIB  # the seed's single failed al
 def _attention_step(tokens: int, width: int, heads: int, head_dim: int, batch: int, naive: bool) -> TrainStep:
     """One self-attention layer over `tokens` triplane tokens: forward, backward, AdamW."""
     return TrainStep(
-        build_model=lambda: SelfAttention(width, heads, head_dim, naive=naive),
+        build_model=lambda: (NaiveSelfAttention if naive else SelfAttention)(width, heads, head_dim),
         make_batch=lambda device: torch.randn(batch, tokens, width, device=device, requires_grad=True),
         loss=lambda m, x: m(x).float().square().mean(),
         amp_dtype=None if naive else torch.bfloat16,

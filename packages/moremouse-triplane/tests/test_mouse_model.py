@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from moremouse_triplane.baselines import NaiveSelfAttention
 from moremouse_triplane.config import TriplaneConfig, get_config
 from moremouse_triplane.model import SelfAttention, build_model
 from moremouse_triplane.system import random_batch
@@ -33,7 +34,7 @@ def test_paper_preset_matches_table_a3():
 
 def test_sdpa_attention_matches_materialised_reference():
     torch.manual_seed(0)
-    fast, naive = SelfAttention(32, 4, 16), SelfAttention(32, 4, 16, naive=True)
+    fast, naive = SelfAttention(32, 4, 16), NaiveSelfAttention(32, 4, 16)
     naive.load_state_dict(fast.state_dict())
     x = torch.randn(2, 48, 32)
     y1, y2 = fast(x), naive(x)

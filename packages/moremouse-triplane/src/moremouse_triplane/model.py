@@ -3,17 +3,18 @@
 The seed's failure was the self-attention over 3 x 64 x 64 = 12,288 triplane tokens: nn.MultiheadAttention
 materialises a (batch, heads, 12288, 12288) fp32 score matrix, 36 GiB at batch 4 with 16 heads. Here
 self-attention goes through memfit.ops.attention (SDPA / flash: memory linear in tokens); `attention="naive"`
-keeps the materialised path (memfit.ops.attention.attention_ref) as the baseline it is measured against.
+takes the seed's materialised path (``baselines.NaiveSelfAttention``), the baseline it is measured against.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from memfit.ops.attention import attention, attention_ref
+from memfit.ops.attention import attention
 from memfit.ops.layers import CrossAttention, FeedForward, checkpointed
 from torch import nn
 
+from moremouse_triplane.baselines import NaiveSelfAttention
 from moremouse_triplane.config import TriplaneConfig
 from moremouse_triplane.render import PIXEL_FEATURES, TriplaneDecoder, render_triplane
 
@@ -21,16 +22,16 @@ from moremouse_triplane.render import PIXEL_FEATURES, TriplaneDecoder, render_tr
 class SelfAttention(nn.Module):
     """Multi-head self-attention with head_dim independent of width; x (B, N, dim) -> (B, N, dim)."""
 
-    def __init__(self, dim: int, heads: int, head_dim: int, naive: bool = False) -> None:
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.naive = heads, head_dim, naive
+        self.heads, self.head_dim = heads, head_dim
         self.qkv = nn.Linear(dim, 3 * heads * head_dim, bias=False)
         self.proj = nn.Linear(heads * head_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, _ = x.shape
         q, k, v = self.qkv(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        y = attention_ref(q, k, v) if self.naive else attention(q, k, v)
+        y = attention(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(B, N, self.heads * self.head_dim))
 
 
@@ -84,7 +85,8 @@ class TriplaneBlock(nn.Module):
         super().__init__()
         d = cfg.width
         self.norm1, self.norm2, self.norm3 = nn.LayerNorm(d), nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = SelfAttention(d, cfg.heads, cfg.head_dim, naive=cfg.attention == "naive")
+        attn = NaiveSelfAttention if cfg.attention == "naive" else SelfAttention
+        self.attn = attn(d, cfg.heads, cfg.head_dim)
         self.xattn = CrossAttention(d, context_dim=context_dim, heads=cfg.heads, dim_head=cfg.head_dim)
         self.ff = FeedForward(d, mult=cfg.ff_mult)
 
