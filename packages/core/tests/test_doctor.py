@@ -51,9 +51,18 @@ def test_doctor_names_why_the_cpu_kernel_is_not_used(monkeypatch, capsys):
     _, out, _ = run(["doctor"], capsys)
     assert "cpu_kernel" in out and "no C compiler" in out
     assert "-> Mamba scan        torch" in out
-    monkeypatch.setenv("MEMFIT_SCAN_KERNEL", "0")
+    monkeypatch.setenv("MEMFIT_DISABLE", "cpu_kernel")
     _, out, _ = run(["doctor"], capsys)
     assert "switched off" in out
+
+
+def test_the_old_scan_kernel_switch_is_refused_with_the_new_name(monkeypatch):
+    from memfit.ops import registry
+
+    monkeypatch.setattr(registry, "_said_old_switch", False)
+    monkeypatch.setenv("MEMFIT_SCAN_KERNEL", "0")
+    with pytest.warns(RuntimeWarning, match="MEMFIT_DISABLE=cpu_kernel"):
+        assert "cpu_kernel" not in registry.disabled()
 
 
 def fake_gpu(monkeypatch, cap=(9, 0), kernels=None):

@@ -194,7 +194,7 @@ def available() -> bool:
 def why_unavailable() -> str | None:
     """None when the kernel is built or can be built here, else why not (the registry's readiness check)."""
     if "cpu_kernel" in registry.disabled():
-        return "switched off (MEMFIT_DISABLE=cpu_kernel or MEMFIT_SCAN_KERNEL=0)"
+        return "switched off (MEMFIT_DISABLE=cpu_kernel)"
     if os.name != "posix":
         return "not a POSIX platform"
     if _compiler() is None:

@@ -21,8 +21,8 @@ CUDA tensor is "cuda"; a fake tensor (a memory estimate's trace) is whatever the
 it stands for. ``ran()`` counts the implementation each call site took, so tests can assert what really ran.
 
 Switches, read here only: ``MEMFIT_DISABLE=name[,name...]`` turns implementations off by name (e.g.
-``triton``, ``cpu_kernel``, ``mamba_ssm``); ``MEMFIT_SCAN_KERNEL=0`` is the older spelling of
-``MEMFIT_DISABLE=cpu_kernel``.
+``triton``, ``cpu_kernel``, ``mamba_ssm``). The older ``MEMFIT_SCAN_KERNEL=0`` is no longer read: set,
+it gets a warning that names ``MEMFIT_DISABLE=cpu_kernel``.
 """
 
 from __future__ import annotations
@@ -314,11 +314,24 @@ def load_error(impl: Impl) -> str | None:
 
 
 def disabled() -> frozenset[str]:
-    """Implementations switched off by the environment (MEMFIT_DISABLE, MEMFIT_SCAN_KERNEL=0)."""
-    names = {n.strip() for n in os.environ.get("MEMFIT_DISABLE", "").split(",") if n.strip()}
-    if os.environ.get("MEMFIT_SCAN_KERNEL", "1") == "0":
-        names.add("cpu_kernel")
-    return frozenset(names)
+    """Implementations switched off by the environment (MEMFIT_DISABLE)."""
+    if "MEMFIT_SCAN_KERNEL" in os.environ and not _said_old_switch:
+        _say_old_switch()
+    return frozenset(n.strip() for n in os.environ.get("MEMFIT_DISABLE", "").split(",") if n.strip())
+
+
+_said_old_switch = False
+
+
+def _say_old_switch() -> None:
+    global _said_old_switch
+    _said_old_switch = True
+    warnings.warn(
+        "memfit: MEMFIT_SCAN_KERNEL is no longer read; to switch the fused CPU kernel off, set "
+        "MEMFIT_DISABLE=cpu_kernel",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -604,7 +617,7 @@ def usable(op: str, device: torch.device) -> list[tuple[Impl, str]]:
         if impl.device not in (device.type, "any"):
             continue
         if impl.name in off:
-            out.append((impl, "switched off (MEMFIT_DISABLE / MEMFIT_SCAN_KERNEL)"))
+            out.append((impl, "switched off (MEMFIT_DISABLE)"))
             continue
         fn = resolve(impl.load)
         if fn is None:
