@@ -90,6 +90,7 @@ class TraceTracker(_StorageTracker):
     """A fake-tensor storage tracker that also records op, module path, shape, saved-ness and lifetime."""
 
     def __init__(self) -> None:
+        self.phases: list[tuple[int, str]] = []  # (seq, phase) at each change: where each phase begins
         super().__init__(fake=True)
         self.seq = 0
         self.peak_seq = 0
@@ -98,6 +99,16 @@ class TraceTracker(_StorageTracker):
         self.src: list | None = None
         self.path: list[str] = []  # forward module stack; left as is when a forward raises
         self.model_classes: dict[str, str] = {}
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        if not self.phases or self.phases[-1][1] != value:
+            self.phases.append((self.seq, value))
 
     def _new_entry(self, st, t: torch.Tensor, category: str) -> list:
         self.seq += 1
@@ -217,12 +228,15 @@ def merge_paths(paths: set[str]) -> str:
 
 @dataclass
 class Trace:
-    """One traced step: the report, every recorded storage and the sequence number of the peak."""
+    """One traced step: the report, every recorded storage and the sequence number of the peak;
+    ``phases`` holds (seq, phase) where each phase began (build, input, forward, loss, backward,
+    optimizer, and "done" once the last step is over and the model is let go)."""
 
     report: MemoryReport
     records: list[list]
     peak_seq: int
     model_classes: dict[str, str] = field(default_factory=dict)
+    phases: list[tuple[int, str]] = field(default_factory=list)
     _at_peak: list[list] | None = field(default=None, repr=False)
 
     def alive_at(self, seq: int) -> list[list]:
@@ -327,7 +341,7 @@ def trace_step(step: TrainStep, steps: int = 2, device: str = "cpu") -> Trace:
         exc.memfit_class = cls  # type: ignore[attr-defined]
         raise
     peak_seq = tracker.peak_seq if report.cuda is None else report.cuda.peak_seq  # the allocator's peak
-    return Trace(report, tracker.records, peak_seq, tracker.model_classes)
+    return Trace(report, tracker.records, peak_seq, tracker.model_classes, tracker.phases)
 
 
 def _constructing(exc: BaseException) -> str | None:
