@@ -164,6 +164,11 @@ class TraceTracker(_StorageTracker):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def instrument(self, model: nn.Module) -> list:
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            st = self._storage(t)
+            entry = None if st is None else self.entry(st)
+            if entry is not None and entry[MODULE] == "(build)":  # named by the module that holds it
+                entry[MODULE] = name.rpartition(".")[0]
         handles = []
         for name, mod in model.named_modules():
             self.model_classes[name] = type(mod).__name__
