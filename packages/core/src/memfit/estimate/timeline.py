@@ -238,7 +238,10 @@ def draw(trace: Trace, title: str = "") -> bytes:
         ax.axvline(trace.peak_seq, color="black", lw=0.8)
         ax.plot([trace.peak_seq], [peak / size], "o", color="black", ms=4)
         what = "allocator peak" if trace.report.cuda is not None else "peak"
-        note = "\n".join([f"{what} {fmt_bytes(peak)}; largest activations alive then:", *peak_lines(trace)])
+        count = sum(r[CAT] == "activations" for r in trace.at_peak())
+        acts = fmt_bytes(trace.report.by_category.get("activations", 0))  # as the text says it
+        head = f"{what} {fmt_bytes(peak)}: activations {acts} in {count} tensors, the largest:"
+        note = "\n".join([head, *peak_lines(trace)])
         right = trace.peak_seq > (ax.get_xlim()[0] + ax.get_xlim()[1]) / 2
         ax.annotate(
             note,
