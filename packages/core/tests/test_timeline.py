@@ -205,3 +205,15 @@ def test_cli_bad_output_paths_are_one_line_exit_2(tmp_path, capfd, model_file, f
     code, out, err = _cli(capfd, f"{model_file}:small", "--input", "4x8", flag, path)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith(f"memfit estimate: error: {flag} ") and message in err, err
+
+
+@pytest.mark.cuda
+def test_measure_writes_the_real_steps_snapshot_beside_the_predicted_one(tmp_path, capfd, model_file):
+    snap = tmp_path / "s.pickle"
+    code, _, err = _cli(capfd, f"{model_file}:small", "--input", "4x8", "--measure", "--snapshot", str(snap))
+    assert code == 0, err
+    real = pickle.loads((tmp_path / "s.measured.pickle").read_bytes())
+    predicted = pickle.loads(snap.read_bytes())
+    for s in (predicted, real):
+        assert "segments:" in _memory_viz.segsum(s) and "Device 0" in _memory_viz.trace(s)
+    assert any(e["action"] == "alloc" for e in real["device_traces"][torch.cuda.current_device()])

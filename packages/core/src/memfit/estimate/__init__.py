@@ -652,6 +652,8 @@ def _main(args) -> int:
 
         real = measured_snapshot_path(args.snapshot) if args.snapshot else None
         row = estimate_measure(target.step(), target.label, False if args.no_cuda_kernels else None, real)
+        if real is not None and "skipped" not in row:
+            print(f"memfit estimate: wrote the measured step's snapshot to {real}", file=sys.stderr)
         if args.json:
             print(json.dumps({**result.to_dict(), "measure": row}, indent=2))
         else:

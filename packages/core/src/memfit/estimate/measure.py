@@ -20,8 +20,9 @@ per budget row. Importing this module starts nothing on the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,22 @@ def _fresh(device: torch.device) -> None:
     torch.cuda.reset_peak_memory_stats(device)
 
 
+@contextlib.contextmanager
+def _recorded(path: str | None) -> Iterator[None]:
+    """With a path, the caching allocator records every event inside the block
+    (``torch.cuda.memory._record_memory_history``) and its snapshot is dumped there when the block ends
+    normally; the recording stops however it ends."""
+    if path is None:
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        yield
+        torch.cuda.memory._dump_snapshot(path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 def measure_step(
     step: TrainStep, device: torch.device | None = None, steps: int = 3, snapshot: str | None = None
 ) -> dict[str, Any]:
@@ -68,22 +85,15 @@ def measure_step(
     file for the allocator's own record of the build and the steps (``torch.cuda.memory._dump_snapshot``)."""
     device = device or require_gpu()
     _fresh(device)
-    if snapshot is not None:
-        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     base = torch.cuda.memory_allocated(device)  # what the process holds beyond the step (0 normally)
     reserved_base = torch.cuda.memory_reserved(device)
-    with torch.device(device):
+    with _recorded(snapshot), torch.device(device):
         model = step.build_model()
         params = torch.cuda.memory_allocated(device) - base
         opt = step.optimizer(model.parameters())
         for _ in range(steps):
             _run_step(step, model, opt, device)
-    torch.cuda.synchronize(device)
-    if snapshot is not None:
-        try:
-            torch.cuda.memory._dump_snapshot(snapshot)
-        finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
+        torch.cuda.synchronize(device)
     state = sum(
         v.untyped_storage().nbytes()
         for st in opt.state.values()
@@ -207,8 +217,6 @@ def _measured_or_why(
         return measure_step(step, device, steps, snapshot)
     except torch.cuda.OutOfMemoryError as e:
         why = f"out of memory on the GPU: {str(e).splitlines()[0][:160]}"
-        if snapshot is not None:
-            torch.cuda.memory._record_memory_history(enabled=None)
     _fresh(device)
     return why
 
