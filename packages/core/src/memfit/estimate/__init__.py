@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -132,6 +133,7 @@ class EstimateResult:
         None  # on --device cuda: the cuda extra's kernels the step used (Target.describe)
     )
     fits: explain.Fits | None = None  # with what-ifs and a known capacity: does the step fit as it is
+    _png: bytes | None = field(default=None, init=False, repr=False)  # the timeline, once drawn
 
     @property
     def peak_bytes(self) -> int:
@@ -178,17 +180,18 @@ class EstimateResult:
     def _repr_pretty_(self, p, cycle) -> None:  # IPython / Jupyter shows the full text
         p.text(self.format())
 
-    def timeline(self, path: str | None = None) -> bytes:
+    def timeline(self, path: str | os.PathLike | None = None) -> bytes:
         """Memory over the step as a PNG (``--timeline``): written to `path` when given; the bytes."""
         from memfit.estimate import timeline
 
-        title = f"memfit estimate {self.target.label}: {self.target.describe} ({self.target.device})"
-        png = timeline.draw(self.trace, title)
+        if self._png is None:
+            title = f"memfit estimate {self.target.label}: {self.target.describe} ({self.target.device})"
+            self._png = timeline.draw(self.trace, title)
         if path is not None:
-            timeline.write(path, png, "--timeline")
-        return png
+            timeline.write(path, self._png, "--timeline")
+        return self._png
 
-    def snapshot(self, path: str | None = None) -> dict[str, Any]:
+    def snapshot(self, path: str | os.PathLike | None = None) -> dict[str, Any]:
         """The step in PyTorch's memory-snapshot format (``--snapshot``; pytorch.org/memory_viz opens the
         file): pickled to `path` when given; the dict."""
         from memfit.estimate import timeline

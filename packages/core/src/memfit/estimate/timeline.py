@@ -17,6 +17,7 @@ import bisect
 import io
 import os
 import pickle
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -257,7 +258,7 @@ def draw(trace: Trace, title: str = "") -> bytes:
         )
         ax.set_xlabel("allocations and frees, in order")
         ax.set_ylabel(unit)
-        ax.set_title(title or "memfit estimate", fontsize=10)
+        ax.set_title(textwrap.fill(title or "memfit estimate", 160), fontsize=10)
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
         fig.tight_layout()
         buf = io.BytesIO()
