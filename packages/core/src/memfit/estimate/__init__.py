@@ -8,7 +8,9 @@ lifetime) gives:
   and dtype, largest first;
 - the module tree with each module's share of the activations alive at the peak;
 - what-ifs, the scaling exponent, the largest batch for a GPU and the per-rank figure
-(``memfit.estimate.explain``).
+(``memfit.estimate.explain``);
+- memory over the step as a picture, and the step as PyTorch's memory snapshot (``--timeline``,
+  ``--snapshot``: ``memfit.estimate.timeline``).
 
 ``--device cuda`` (the default whenever ``--gpu_gib`` is given) estimates what a CUDA run keeps
 (``memfit.estimate.rules``). The same result is the Python API: ``memfit.estimate(model_or_factory, inputs)``

@@ -99,6 +99,7 @@ class TraceTracker(_StorageTracker):
         self.src: list | None = None
         self.path: list[str] = []  # forward module stack; left as is when a forward raises
         self.model_classes: dict[str, str] = {}
+        self.owners: dict[int, str] = {}  # id(storage) of a parameter or buffer -> its module's path
 
     @property
     def phase(self) -> str:
@@ -114,6 +115,8 @@ class TraceTracker(_StorageTracker):
         self.seq += 1
         if self.path:
             module = self.path[-1]
+        elif self.phase == "build" and id(st) in self.owners:
+            module = self.owners[id(st)]
         elif self.category == "optimizer":
             module = "(optimizer)"
         else:
@@ -164,11 +167,16 @@ class TraceTracker(_StorageTracker):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def instrument(self, model: nn.Module) -> list:
+        # parameters and buffers are named by the module that holds them (those made outside the
+        # tracker, by a model built for real and then faked, get their entries just after this)
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             st = self._storage(t)
-            entry = None if st is None else self.entry(st)
-            if entry is not None and entry[MODULE] == "(build)":  # named by the module that holds it
-                entry[MODULE] = name.rpartition(".")[0]
+            if st is None:
+                continue
+            self.owners[id(st)] = name.rpartition(".")[0]
+            entry = self.entry(st)
+            if entry is not None and entry[MODULE] == "(build)":
+                entry[MODULE] = self.owners[id(st)]
         handles = []
         for name, mod in model.named_modules():
             self.model_classes[name] = type(mod).__name__
