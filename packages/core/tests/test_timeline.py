@@ -11,7 +11,7 @@ import pytest
 import torch
 from memfit import cli
 from memfit import estimate as estimate_api
-from memfit.estimate import allocator
+from memfit.estimate import CAT, allocator
 from memfit.estimate import timeline as tl
 from memfit.estimate.memory import _run_step, training_state_tensors
 from torch import nn
@@ -137,6 +137,12 @@ def test_timeline_png_is_written_and_its_top_is_the_peak(tmp_path, device):
     xs, ys, reserved = tl.series(lay)
     totals = [sum(col) for col in zip(*ys)]
     assert max(totals) == result.peak_bytes
+    # what the peak's note counts is what the picture stacks there
+    at = xs.index(result.trace.peak_seq)
+    alive = tl.alive_at(lay, result.trace.peak_seq)
+    assert sum(lay.size(i) for i in alive) == totals[at] == result.peak_bytes
+    activations = [i for i in alive if result.trace.records[i][CAT] == "activations"]
+    assert sum(lay.size(i) for i in activations) == ys[3][at] + ys[4][at] > 0
     assert (reserved is None) == (device == "cpu")
     if reserved is not None:
         assert max(reserved) == result.reserved_bytes

@@ -239,9 +239,9 @@ def draw(trace: Trace, title: str = "") -> bytes:
         ax.axvline(trace.peak_seq, color="black", lw=0.8)
         ax.plot([trace.peak_seq], [peak / size], "o", color="black", ms=4)
         what = "allocator peak" if trace.report.cuda is not None else "peak"
-        count = sum(r[CAT] == "activations" for r in trace.at_peak())
-        acts = fmt_bytes(trace.report.by_category.get("activations", 0))  # as the text says it
-        head = f"{what} {fmt_bytes(peak)}: activations {acts} in {count} tensors, the largest:"
+        acts = [i for i in alive_at(lay, trace.peak_seq) if trace.records[i][CAT] == "activations"]
+        size_text = fmt_bytes(sum(lay.size(i) for i in acts))
+        head = f"{what} {fmt_bytes(peak)}: activations {size_text} in {len(acts)} tensors, the largest:"
         note = "\n".join([head, *peak_lines(trace)])
         right = trace.peak_seq > (ax.get_xlim()[0] + ax.get_xlim()[1]) / 2
         ax.annotate(
@@ -266,6 +266,16 @@ def draw(trace: Trace, title: str = "") -> bytes:
     finally:
         plt.close(fig)
     return buf.getvalue()
+
+
+def alive_at(lay: Layout, seq: int) -> list[int]:
+    """The storages (record indices) alive just after event `seq`, in the order they were made."""
+    out = []
+    for i in lay.blocks:
+        r = lay.trace.records[i]
+        if r[BORN] <= seq and (r[FREED] is None or r[FREED] > seq):
+            out.append(i)
+    return out
 
 
 def _label_phases(ax, trace: Trace, end: int, ymax: float) -> None:
