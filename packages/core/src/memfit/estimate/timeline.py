@@ -166,7 +166,10 @@ def _thin(xs: list[int], ys: list[list[int]], extra: list[int] | None, limit: in
     for k in range(limit):
         lo, hi = k * n // limit, (k + 1) * n // limit
         keep.append(max(range(lo, hi), key=totals.__getitem__))
-    pick = lambda seq: [seq[j] for j in keep]  # noqa: E731
+
+    def pick(values: list[int]) -> list[int]:
+        return [values[j] for j in keep]
+
     return pick(xs), [pick(y) for y in ys], (None if extra is None else pick(extra))
 
 
@@ -208,63 +211,58 @@ def peak_lines(trace: Trace, top: int = 4) -> list[str]:
 def draw(trace: Trace, title: str = "") -> bytes:
     """Memory over the step as a PNG: the layers stacked, the phases shaded, the peak marked with its
     largest activations; on CUDA also the reserved memory (the caching allocator's segments)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: a notebook's own backend is left as it is
 
     lay = layout(trace)
     xs, ys, reserved = _thin(*series(lay))
     peak = trace.report.peak_bytes
     top = max([*(reserved or []), *(sum(c) for c in zip(*ys)), peak, 1])
     unit, size = _unit(top)
-    fig, ax = plt.subplots(figsize=(13, 5.2))
-    try:
-        for start, stop, _, colour, _ in _spans(trace, lay.end):
-            ax.axvspan(start, stop, color=colour, alpha=0.25, lw=0)
-        shown = [k for k, y in enumerate(ys) if any(y)]
-        ax.stackplot(
-            xs,
-            *[[v / size for v in ys[k]] for k in shown],
-            labels=[LAYERS[k][0] for k in shown],
-            colors=[LAYERS[k][1] for k in shown],
-            step="post",
-        )
-        if reserved is not None:
-            label = "reserved (the caching allocator's segments)"
-            ax.step(xs, [v / size for v in reserved], where="post", color="black", lw=1, ls="--", label=label)
-        ax.set_xlim(min(xs, default=0), max(lay.end, 1))
-        ax.set_ylim(0, 1.3 * top / size)
-        _label_phases(ax, trace, lay.end, 1.3 * top / size)
-        ax.axvline(trace.peak_seq, color="black", lw=0.8)
-        ax.plot([trace.peak_seq], [peak / size], "o", color="black", ms=4)
-        what = "allocator peak" if trace.report.cuda is not None else "peak"
-        acts = [i for i in alive_at(lay, trace.peak_seq) if trace.records[i][CAT] == "activations"]
-        size_text = fmt_bytes(sum(lay.size(i) for i in acts))
-        head = f"{what} {fmt_bytes(peak)}: activations {size_text} in {len(acts)} tensors, the largest:"
-        note = "\n".join([head, *peak_lines(trace)])
-        right = trace.peak_seq > (ax.get_xlim()[0] + ax.get_xlim()[1]) / 2
-        ax.annotate(
-            note,
-            xy=(trace.peak_seq, peak / size),
-            xytext=(-8 if right else 8, 0),
-            textcoords="offset points",
-            ha="right" if right else "left",
-            va="bottom",
-            multialignment="left",
-            fontsize=7.5,
-            family="monospace",
-            bbox={"boxstyle": "round", "fc": "white", "ec": "0.6", "alpha": 0.9},
-        )
-        ax.set_xlabel("allocations and frees, in order")
-        ax.set_ylabel(unit)
-        ax.set_title(textwrap.fill(title or "memfit estimate", 160), fontsize=10)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(13, 5.2))
+    ax = fig.subplots()
+    for start, stop, _, colour, _ in _spans(trace, lay.end):
+        ax.axvspan(start, stop, color=colour, alpha=0.25, lw=0)
+    shown = [k for k, y in enumerate(ys) if any(y)]
+    ax.stackplot(
+        xs,
+        *[[v / size for v in ys[k]] for k in shown],
+        labels=[LAYERS[k][0] for k in shown],
+        colors=[LAYERS[k][1] for k in shown],
+        step="post",
+    )
+    if reserved is not None:
+        label = "reserved (the caching allocator's segments)"
+        ax.step(xs, [v / size for v in reserved], where="post", color="black", lw=1, ls="--", label=label)
+    ax.set_xlim(min(xs, default=0), max(lay.end, 1))
+    ax.set_ylim(0, 1.3 * top / size)
+    _label_phases(ax, trace, lay.end, 1.3 * top / size)
+    ax.axvline(trace.peak_seq, color="black", lw=0.8)
+    ax.plot([trace.peak_seq], [peak / size], "o", color="black", ms=4)
+    what = "allocator peak" if trace.report.cuda is not None else "peak"
+    acts = [i for i in alive_at(lay, trace.peak_seq) if trace.records[i][CAT] == "activations"]
+    size_text = fmt_bytes(sum(lay.size(i) for i in acts))
+    head = f"{what} {fmt_bytes(peak)}: activations {size_text} in {len(acts)} tensors, the largest:"
+    note = "\n".join([head, *peak_lines(trace)])
+    right = trace.peak_seq > (ax.get_xlim()[0] + ax.get_xlim()[1]) / 2
+    ax.annotate(
+        note,
+        xy=(trace.peak_seq, peak / size),
+        xytext=(-8 if right else 8, 0),
+        textcoords="offset points",
+        ha="right" if right else "left",
+        va="bottom",
+        multialignment="left",
+        fontsize=7.5,
+        family="monospace",
+        bbox={"boxstyle": "round", "fc": "white", "ec": "0.6", "alpha": 0.9},
+    )
+    ax.set_xlabel("allocations and frees, in order")
+    ax.set_ylabel(unit)
+    ax.set_title(textwrap.fill(title or "memfit estimate", 160), fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     return buf.getvalue()
 
 
