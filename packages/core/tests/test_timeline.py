@@ -45,6 +45,10 @@ def _estimate(name: str, device: str):
     return estimate_api(factory, shape, loss=loss, device=device)
 
 
+def _active(snap: dict) -> list[dict]:
+    return [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+
+
 def _replay(snap: dict) -> int:
     """The peak of the bytes the snapshot's alloc / free_completed events hold, in their order."""
     live = peak = 0
@@ -101,6 +105,10 @@ def test_memory_viz_reads_the_snapshot(tmp_path, device):
     assert "layers.1.linear1:0:Linear;layers.1.linear1:0:" in stacks
     every = {f["filename"] for e in loaded["device_traces"][0] for f in e["frames"]}
     assert "layers.1.self_attn" in every and "layers.0.linear1" in every
+    # the phase each storage was made in: parameters in the build, the optimizer state in an optimizer step
+    ends = {b["frames"][0]["name"].split("(")[-1]: b["frames"][-1]["name"] for b in _active(loaded)}
+    assert ends["params)"] == "build (set-up)"
+    assert ends["optimizer)"] == ("optimizer (set-up)" if device == "cpu" else "optimizer (step 1)")
     ops = {f["name"].split()[0] for e in loaded["device_traces"][0] for f in e["frames"][:1]}
     assert {"addmm", "gelu", "native_layer_norm"} <= ops or {"addmm", "relu", "native_layer_norm"} <= ops
 
@@ -111,8 +119,7 @@ def test_snapshot_ends_holding_what_a_real_step_leaves():
     real step)."""
     torch.manual_seed(0)
     result = _estimate("mlp", "cpu")
-    blocks = [b for s in result.snapshot()["segments"] for b in s["blocks"]]
-    active = sum(b["requested_size"] for b in blocks if b["state"] != "inactive")
+    active = sum(b["requested_size"] for b in _active(result.snapshot()))
     step = result.target.step()
     model = step.build_model()
     opt = step.optimizer(model.parameters())

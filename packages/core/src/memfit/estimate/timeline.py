@@ -292,7 +292,7 @@ def _label_phases(ax, trace: Trace, end: int, ymax: float) -> None:
 
 
 def _phase_at(trace: Trace) -> tuple[list[int], list[tuple[str, int]]]:
-    """Seqs where phases begin, and (phase, step) from each (for bisect)."""
+    """The seq of the last event before each phase, and (phase, step) from there on (for bisect)."""
     seqs, names, step = [], [], 0
     for seq, phase in trace.phases:
         step += phase == "input"
@@ -307,7 +307,7 @@ def frames(trace: Trace, i: int, cache: dict, phases: tuple[list[int], list[tupl
     and step of the traced step. Equal stacks are one list (the pickle stores it once)."""
     r = trace.records[i]
     seqs, names = phases
-    k = bisect.bisect_right(seqs, r[BORN]) - 1
+    k = bisect.bisect_left(seqs, r[BORN]) - 1  # a phase begins after the event at its seq
     phase, step = names[k] if k >= 0 else ("build", 0)
     key = (r[OP], r[MODULE], r[SHAPE], r[DTYPE], r[CAT], r[SAVED], phase, step)
     found = cache.get(key)
@@ -360,12 +360,7 @@ def _event(action: str, addr: int, size: int, frames: list) -> dict[str, Any]:
 def _segments(lay: Layout, cache: dict, phases) -> list[dict[str, Any]]:
     """The segments at the end of the last step, each with its blocks in address order."""
     trace = lay.trace
-    alive: dict[int, None] = {}  # the storages still alive, in order
-    for _, i, sign in lay.events:
-        if sign > 0:
-            alive[i] = None
-        else:
-            del alive[i]
+    alive = alive_at(lay, lay.end)
     live = {lay.blocks[i][0]: i for i in alive}  # block address -> the storage in it
     cached = [*lay.sim.small.blocks.values(), *lay.sim.large.blocks.values()]
     blocks = sorted([*((*lay.blocks[i], True) for i in alive), *((b.addr, b.size, False) for b in cached)])

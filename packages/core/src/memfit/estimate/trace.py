@@ -90,7 +90,7 @@ class TraceTracker(_StorageTracker):
     """A fake-tensor storage tracker that also records op, module path, shape, saved-ness and lifetime."""
 
     def __init__(self) -> None:
-        self.phases: list[tuple[int, str]] = []  # (seq, phase) at each change: where each phase begins
+        self.phases: list[tuple[int, str]] = []  # (seq, phase) at each change: the phase's events follow seq
         super().__init__(fake=True)
         self.seq = 0
         self.peak_seq = 0
