@@ -8,7 +8,9 @@ lifetime) gives:
   and dtype, largest first;
 - the module tree with each module's share of the activations alive at the peak;
 - what-ifs, the scaling exponent, the largest batch for a GPU and the per-rank figure
-(``memfit.estimate.explain``).
+(``memfit.estimate.explain``);
+- memory over the step as a picture, and the step as PyTorch's memory snapshot (``--timeline``,
+  ``--snapshot``: ``memfit.estimate.timeline``).
 
 ``--device cuda`` (the default whenever ``--gpu_gib`` is given) estimates what a CUDA run keeps
 (``memfit.estimate.rules``). The same result is the Python API: ``memfit.estimate(model_or_factory, inputs)``
@@ -20,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import sys
 import types
 from collections.abc import Callable
@@ -132,6 +135,7 @@ class EstimateResult:
         None  # on --device cuda: the cuda extra's kernels the step used (Target.describe)
     )
     fits: explain.Fits | None = None  # with what-ifs and a known capacity: does the step fit as it is
+    _png: bytes | None = field(default=None, init=False, repr=False)  # the timeline, once drawn
 
     @property
     def peak_bytes(self) -> int:
@@ -177,6 +181,37 @@ class EstimateResult:
 
     def _repr_pretty_(self, p, cycle) -> None:  # IPython / Jupyter shows the full text
         p.text(self.format())
+
+    def timeline(self, path: str | os.PathLike | None = None) -> bytes:
+        """Memory over the step as a PNG (``--timeline``): written to `path` when given; the bytes."""
+        from memfit.estimate import timeline
+
+        if self._png is None:
+            title = f"memfit estimate {self.target.label}: {self.target.describe} ({self.target.device})"
+            self._png = timeline.draw(self.trace, title)
+        if path is not None:
+            timeline.write(path, self._png, "--timeline")
+        return self._png
+
+    def snapshot(self, path: str | os.PathLike | None = None) -> dict[str, Any]:
+        """The step in PyTorch's memory-snapshot format (``--snapshot``; pytorch.org/memory_viz opens the
+        file): pickled to `path` when given; the dict."""
+        from memfit.estimate import timeline
+
+        snap = timeline.snapshot(self.trace)
+        if path is not None:
+            timeline.write(path, timeline.pickled(snap), "--snapshot")
+        return snap
+
+    def _repr_png_(self) -> bytes:  # a notebook shows the timeline
+        return self.timeline()
+
+    def _repr_html_(self) -> str:  # ... with the text above it
+        import base64
+        import html
+
+        png = base64.b64encode(self.timeline()).decode()
+        return f"<pre>{html.escape(self.format())}</pre><img src='data:image/png;base64,{png}'/>"
 
     def to_dict(self) -> dict[str, Any]:
         r = self.trace.report
@@ -501,6 +536,12 @@ NO_CUDA_KERNELS_HELP = (
 )
 
 
+SNAPSHOT_HELP = (
+    "write the step in PyTorch's memory-snapshot format to this file (open it at pytorch.org/memory_viz); "
+    "with --measure, the real step's snapshot too, beside it (NAME.measured.pickle)"
+)
+
+
 def add_parser(sub) -> None:
     """Register `memfit estimate` on the `memfit` subparsers."""
     p = sub.add_parser(
@@ -557,6 +598,8 @@ def add_parser(sub) -> None:
     p.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="how ranks hold the state")
     p.add_argument("--max_batch", type=int, default=4096)
     p.add_argument("--json", action="store_true", help="everything as one JSON object")
+    p.add_argument("--timeline", metavar="PNG", help="draw memory over the step to this PNG file")
+    p.add_argument("--snapshot", metavar="PICKLE", help=SNAPSHOT_HELP)
     p.set_defaults(func=main)
 
 
@@ -575,6 +618,11 @@ def _main(args) -> int:
     cuda_default = args.gpu_gib is not None or args.measure
     device = _device(args.device or ("cuda" if cuda_default else "cpu"))
     card = gpu_card(device, args.gpu)
+    for flag, path in (("--timeline", args.timeline), ("--snapshot", args.snapshot)):
+        if path:  # refused before the work
+            from memfit.estimate.timeline import check_path
+
+            check_path(path, flag)
     target = load_target(args.target, args.input, args.dtype, args.loss_target, args.amp)
     target.device = device
     assumed = cuda_kernels_assumed(device, False if args.no_cuda_kernels else None)
@@ -597,12 +645,20 @@ def _main(args) -> int:
             f"error: nothing fits {args.gpu_gib:g} GiB ({100 * args.margin:g}% margin): batch 1 needs "
             f"{fmt_bytes(fit.peak_bytes)} {needs}; try --explain for what would shrink it"
         )
+    if args.timeline:
+        result.timeline(args.timeline)
+        print(f"memfit estimate: wrote the timeline to {args.timeline}", file=sys.stderr)
+    if args.snapshot:
+        result.snapshot(args.snapshot)
+        where = f"memfit estimate: wrote the snapshot to {args.snapshot}"
+        print(f"{where} (open it at pytorch.org/memory_viz)", file=sys.stderr)
     if args.measure:
-        from memfit.estimate.measure import estimate_measure, format_rows
+        from memfit.estimate.measure import estimate_measure, format_rows, measured_snapshot_path
 
-        row = estimate_measure(
-            target.step(), target.label, args.json, False if args.no_cuda_kernels else None
-        )
+        real = measured_snapshot_path(args.snapshot) if args.snapshot else None
+        row = estimate_measure(target.step(), target.label, False if args.no_cuda_kernels else None, real)
+        if real is not None and "skipped" not in row:
+            print(f"memfit estimate: wrote the measured step's snapshot to {real}", file=sys.stderr)
         if args.json:
             print(json.dumps({**result.to_dict(), "measure": row}, indent=2))
         else:

@@ -20,8 +20,10 @@ per budget row. Importing this module starts nothing on the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,20 +61,39 @@ def _fresh(device: torch.device) -> None:
     torch.cuda.reset_peak_memory_stats(device)
 
 
-def measure_step(step: TrainStep, device: torch.device | None = None, steps: int = 3) -> dict[str, Any]:
+@contextlib.contextmanager
+def _recorded(path: str | None) -> Iterator[None]:
+    """With a path, the caching allocator records every event inside the block
+    (``torch.cuda.memory._record_memory_history``) and its snapshot is dumped there when the block ends
+    normally; the recording stops however it ends."""
+    if path is None:
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    try:
+        yield
+        torch.cuda.memory._dump_snapshot(path)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def measure_step(
+    step: TrainStep, device: torch.device | None = None, steps: int = 3, snapshot: str | None = None
+) -> dict[str, Any]:
     """Run ``steps`` real training steps of ``step`` on the GPU (model built there) and read the three
-    figures and the split the GPU can tell (see the module docstring). Bytes, not GiB."""
+    figures and the split the GPU can tell (see the module docstring). Bytes, not GiB. ``snapshot``: a
+    file for the allocator's own record of the build and the steps (``torch.cuda.memory._dump_snapshot``)."""
     device = device or require_gpu()
     _fresh(device)
     base = torch.cuda.memory_allocated(device)  # what the process holds beyond the step (0 normally)
     reserved_base = torch.cuda.memory_reserved(device)
-    with torch.device(device):
+    with _recorded(snapshot), torch.device(device):
         model = step.build_model()
         params = torch.cuda.memory_allocated(device) - base
         opt = step.optimizer(model.parameters())
         for _ in range(steps):
             _run_step(step, model, opt, device)
-    torch.cuda.synchronize(device)
+        torch.cuda.synchronize(device)
     state = sum(
         v.untyped_storage().nbytes()
         for st in opt.state.values()
@@ -186,12 +207,14 @@ def compare_budgets(
     return rows
 
 
-def _measured_or_why(step: TrainStep, device: torch.device, steps: int = 3) -> dict[str, Any] | str:
+def _measured_or_why(
+    step: TrainStep, device: torch.device, steps: int = 3, snapshot: str | None = None
+) -> dict[str, Any] | str:
     """measure_step's figures, or why there are none (out of memory on the GPU); the memory the failed
     step held is released before returning (the exception's frames hold it until then)."""
     why = None
     try:
-        return measure_step(step, device, steps)
+        return measure_step(step, device, steps, snapshot)
     except torch.cuda.OutOfMemoryError as e:
         why = f"out of memory on the GPU: {str(e).splitlines()[0][:160]}"
     _fresh(device)
@@ -231,12 +254,21 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def estimate_measure(step: TrainStep, label: str, cuda_kernels: bool | None = None) -> dict:
-    """`memfit estimate --measure`: the target's step estimated for this GPU and run on it (one row)."""
+def measured_snapshot_path(predicted: str) -> str:
+    """Where ``--measure`` puts the real snapshot beside ``--snapshot NAME.pickle``: NAME.measured.pickle."""
+    p = Path(predicted)
+    return str(p.with_name(f"{p.stem}.measured{p.suffix or '.pickle'}"))
+
+
+def estimate_measure(
+    step: TrainStep, label: str, cuda_kernels: bool | None = None, snapshot: str | None = None
+) -> dict:
+    """`memfit estimate --measure`: the target's step estimated for this GPU and run on it (one row);
+    ``snapshot``: a file for the real step's memory snapshot."""
     device = require_gpu()
     report = estimate_for(step, device, cuda_kernels)
     row: dict[str, Any] = {"system": label, "variant": "-", **_environment(device)}
-    measured = _measured_or_why(step, device)
+    measured = _measured_or_why(step, device, snapshot=snapshot)
     if isinstance(measured, str):
         row["skipped"] = measured
     else:

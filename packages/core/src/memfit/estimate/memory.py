@@ -768,6 +768,7 @@ def _tracked_steps(
             tracker.category, tracker.phase = "optimizer", "optimizer"
             opt.step()
             opt.zero_grad(set_to_none=True)
+        tracker.phase = "done"  # what is freed from here on is the teardown, no part of a step
         for h in handles:
             h.remove()
         n_params = sum(p.numel() for p in model.parameters())

@@ -90,6 +90,7 @@ class TraceTracker(_StorageTracker):
     """A fake-tensor storage tracker that also records op, module path, shape, saved-ness and lifetime."""
 
     def __init__(self) -> None:
+        self.phases: list[tuple[int, str]] = []  # (seq, phase) at each change: the phase's events follow seq
         super().__init__(fake=True)
         self.seq = 0
         self.peak_seq = 0
@@ -98,11 +99,24 @@ class TraceTracker(_StorageTracker):
         self.src: list | None = None
         self.path: list[str] = []  # forward module stack; left as is when a forward raises
         self.model_classes: dict[str, str] = {}
+        self.owners: dict[int, str] = {}  # id(storage) of a parameter or buffer -> its module's path
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:
+        self._phase = value
+        if not self.phases or self.phases[-1][1] != value:
+            self.phases.append((self.seq, value))
 
     def _new_entry(self, st, t: torch.Tensor, category: str) -> list:
         self.seq += 1
         if self.path:
             module = self.path[-1]
+        elif self.phase == "build" and id(st) in self.owners:
+            module = self.owners[id(st)]
         elif self.category == "optimizer":
             module = "(optimizer)"
         else:
@@ -153,6 +167,16 @@ class TraceTracker(_StorageTracker):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def instrument(self, model: nn.Module) -> list:
+        # parameters and buffers are named by the module that holds them (those made outside the
+        # tracker, by a model built for real and then faked, get their entries just after this)
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            st = self._storage(t)
+            if st is None:
+                continue
+            self.owners[id(st)] = name.rpartition(".")[0]
+            entry = self.entry(st)
+            if entry is not None and entry[MODULE] == "(build)":
+                entry[MODULE] = self.owners[id(st)]
         handles = []
         for name, mod in model.named_modules():
             self.model_classes[name] = type(mod).__name__
@@ -217,12 +241,15 @@ def merge_paths(paths: set[str]) -> str:
 
 @dataclass
 class Trace:
-    """One traced step: the report, every recorded storage and the sequence number of the peak."""
+    """One traced step: the report, every recorded storage and the sequence number of the peak;
+    ``phases`` holds (seq, phase) where each phase began (build, input, forward, loss, backward,
+    optimizer, and "done" once the last step is over and the model is let go)."""
 
     report: MemoryReport
     records: list[list]
     peak_seq: int
     model_classes: dict[str, str] = field(default_factory=dict)
+    phases: list[tuple[int, str]] = field(default_factory=list)
     _at_peak: list[list] | None = field(default=None, repr=False)
 
     def alive_at(self, seq: int) -> list[list]:
@@ -327,7 +354,7 @@ def trace_step(step: TrainStep, steps: int = 2, device: str = "cpu") -> Trace:
         exc.memfit_class = cls  # type: ignore[attr-defined]
         raise
     peak_seq = tracker.peak_seq if report.cuda is None else report.cuda.peak_seq  # the allocator's peak
-    return Trace(report, tracker.records, peak_seq, tracker.model_classes)
+    return Trace(report, tracker.records, peak_seq, tracker.model_classes, tracker.phases)
 
 
 def _constructing(exc: BaseException) -> str | None:
