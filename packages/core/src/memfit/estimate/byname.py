@@ -134,7 +134,7 @@ def hf_class(config, task: str | None):
     tasks = [task] if task is not None else ["causal-lm", "base"]
     for t in tasks:
         if t not in TASKS:
-            raise UsageError(f"error: --task {t!r} is not one of {', '.join(TASKS)}")
+            raise UsageError(f"error: --task {t!r} is not a head memfit knows; use one of {', '.join(TASKS)}")
         auto = getattr(transformers, TASKS[t])
         try:
             return auto._model_mapping[type(config)], t
@@ -172,18 +172,22 @@ def hf_target(spec: str, inputs: list[str] | None, dtype: str | None, amp: str, 
             "models only: give a factory (file.py:func) with --input"
         )
     if not inputs or len(inputs) != 1:
-        raise UsageError(f"error: {spec} needs one --input BATCHxTOKENS, e.g. --input 8x1024")
+        raise UsageError(f"error: {spec} needs one --input BATCHxTOKENS; e.g. --input 8x1024")
     shape, given = parse_input(inputs[0])
     if len(shape) != 2:
-        raise UsageError(f"error: --input {inputs[0]!r}: a language model takes BATCHxTOKENS, e.g. 8x1024")
+        raise UsageError(f"error: --input {inputs[0]!r}: a language model takes BATCHxTOKENS; e.g. 8x1024")
     ids_dtype = given or (parse_dtype(dtype) if dtype else torch.int64)
     if ids_dtype.is_floating_point:
-        raise UsageError(f"error: token ids are integers; --input {inputs[0]!r} says {ids_dtype}")
+        raise UsageError(f"error: --input {inputs[0]!r} says {ids_dtype}; token ids are integers (int64)")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = int(getattr(text, "vocab_size", None) or 2)
     labels = int(getattr(config, "num_labels", 2) or 2)
     if getattr(config, "use_cache", None):
         config.use_cache = False
+    if task == "seq2seq-lm" and getattr(config, "decoder_start_token_id", None) is None:
+        # the labels shifted right start the decoder's inputs; a config without the start id (T5's is
+        # its pad id) cannot make them
+        config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
     amp_dtype = AMP_DTYPES[amp]
 
     def build() -> nn.Module:

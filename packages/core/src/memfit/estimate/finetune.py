@@ -86,7 +86,8 @@ def parse(
             ft.accumulate = 0
         if ft.accumulate < 1 or str(accumulate).strip() != str(ft.accumulate):
             raise UsageError(
-                f"error: --accumulate {accumulate!r}: micro-batches per optimizer step is a whole number >= 1"
+                f"error: --accumulate {accumulate!r}: micro-batches per optimizer step is a whole number "
+                ">= 1; e.g. --accumulate 4"
             )
     return ft
 
@@ -100,7 +101,7 @@ def parse_lora(text: str) -> tuple[int, list[str] | None]:
         r = 0
     if r < 1:
         raise UsageError(
-            f"error: --lora {text!r}: the LoRA rank is a whole number >= 1, e.g. --lora 16 or "
+            f"error: --lora {text!r}: the LoRA rank is a whole number >= 1; e.g. --lora 16 or "
             "--lora 16:q_proj,v_proj"
         )
     modules = [m.strip() for m in mods.split(",") if m.strip()] if mods else None
@@ -286,7 +287,9 @@ def with_lora(model: nn.Module, r: int, modules: list[str] | None) -> nn.Module:
     try:
         return peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=modules))
     except ValueError as exc:
-        raise UsageError(f"error: --lora {r}: peft says: {first_line(exc, 250)}") from exc
+        raise UsageError(
+            f"error: --lora {r}: peft says: {first_line(exc, 250)}; name modules it has"
+        ) from exc
 
 
 # ----------------------------------------------------------------------------------------------------
