@@ -163,8 +163,9 @@ BAD = [
         ["hf:{llama}", "--input", "2x8", "--task", "speech"],
         "--task 'speech' is not a head memfit",
     ),
-    (["timm:no_such_net_xyz"], "timm has no model 'no_such_net_xyz'"),
-    (["torchvision:resnet5000"], "torchvision has no model 'resnet5000'; close: resnet"),
+    (["timm:no_such_net_xyz"], "timm has no model 'no_such_net_xyz'; see timm.list_models()"),
+    (["timm:convnxt_tiny"], "timm has no model 'convnxt_tiny'; did you mean: convnext_tiny"),
+    (["torchvision:resnet5000"], "torchvision has no model 'resnet5000'; did you mean: resnet50"),
     (["hf:{llama}", "--input", "2x8", "--lora", "0"], "--lora '0': the LoRA rank is a whole number >= 1"),
     (
         ["hf:{llama}", "--input", "2x8", "--optimizer", "adamz"],
@@ -175,7 +176,10 @@ BAD = [
     (["hf:{llama}", "--input", "2x8", "--accumulate", "two"], "--accumulate 'two'"),
     (["hf:{llama}", "--input", "2x8", "--freeze", "nothing_here"], "--freeze 'nothing_here' matches no"),
     (["torchvision:resnet18", "--input", "1x3x32x32", "--lora", "4"], "peft has no default LoRA modules for"),
-    (["hf:{llama}", "--input", "2x8", "--lora", "4:nope"], "--lora 4: peft says: Target modules"),
+    (
+        ["hf:{llama}", "--input", "2x8", "--lora", "4:nope"],
+        "--lora 4: peft says: Target modules {'nope'} not found",
+    ),
 ]
 
 

@@ -16,6 +16,7 @@ resolution (timm's ``pretrained_cfg``, torchvision's weights' crop size, else 22
 from __future__ import annotations
 
 import contextlib
+import difflib
 import io
 from pathlib import Path
 
@@ -112,7 +113,8 @@ def hf_config(name: str):
             "local folder holding its config.json"
         )
         raise UsageError(
-            f"error: transformers cannot read {where}: {type(exc).__name__}: {first_line(exc, 200)}; {fix}"
+            f"error: transformers cannot read {where}: {type(exc).__name__}: "
+            f"{first_line(exc, 200).rstrip('. ')}; {fix}"
         ) from exc
 
 
@@ -250,6 +252,12 @@ def _image_inputs(inputs: list[str] | None, size: tuple[int, ...], source: str) 
     return [shape], f"assumed --input {shape} ({source}; give --input to change it)"
 
 
+def _close(name: str, known: list[str], where: str) -> str:
+    """`did you mean: a, b` from the library's list of names, else where to look."""
+    close = difflib.get_close_matches(name, known, n=4, cutoff=0.6)
+    return f"did you mean: {', '.join(close)}" if close else f"see {where}.list_models()"
+
+
 def _say(target: Target, assumed: str) -> Target:
     if assumed:
         target.describe = f"{target.describe}; {assumed}"
@@ -260,9 +268,7 @@ def timm_target(spec: str, inputs, dtype, target: str, amp: str) -> Target:
     name = _name(spec, "timm:", "convnext_tiny")
     timm = _require("timm", "timm")
     if not timm.is_model(name):
-        close = timm.list_models(f"*{name.split('.')[0][:8]}*")[:5]
-        hint = f"close: {', '.join(close)}" if close else "see timm.list_models()"
-        raise UsageError(f"error: timm has no model {name!r}; {hint}")
+        raise UsageError(f"error: timm has no model {name!r}; {_close(name, timm.list_models(), 'timm')}")
     cfg = timm.get_pretrained_cfg(name)
     size = tuple(getattr(cfg, "input_size", None) or (3, 224, 224))
     inputs, assumed = _image_inputs(inputs, size, "timm's pretrained_cfg input_size")
@@ -277,11 +283,8 @@ def torchvision_target(spec: str, inputs, dtype, target: str, amp: str) -> Targe
     name = _name(spec, "torchvision:", "resnet50")
     models = _require("torchvision", "torchvision").models
     if name not in models.list_models():
-        known = ", ".join(m for m in models.list_models() if m[:3] == name[:3])[:200]
-        raise UsageError(
-            f"error: torchvision has no model {name!r}; "
-            + (f"close: {known}" if known else "see torchvision.models.list_models()")
-        )
+        hint = _close(name, models.list_models(), "torchvision.models")
+        raise UsageError(f"error: torchvision has no model {name!r}; {hint}")
     crop, source = 224, "the default 224x224"
     with contextlib.suppress(Exception):  # the weights' evaluation crop, when they say one
         crop = int(models.get_model_weights(name).DEFAULT.transforms.keywords["crop_size"])

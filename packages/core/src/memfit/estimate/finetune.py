@@ -278,17 +278,19 @@ def lora_modules(model: nn.Module) -> list[str] | None:
 def with_lora(model: nn.Module, r: int, modules: list[str] | None) -> nn.Module:
     """peft's LoRA over `model`: ``LoraConfig(r=r)`` on `modules` or peft's defaults for its model type."""
     peft = require_peft()
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    named = f"its Linear layers: {', '.join(linear[:8]) or 'none'}"
     if modules is None and lora_modules(model) is None:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise UsageError(
             f"error: peft has no default LoRA modules for {type(model).__name__}; name them, e.g. --lora "
-            f"{r}:{','.join(linear[:3]) or 'NAME'} (its Linear layers: {', '.join(linear[:8]) or 'none'})"
+            f"{r}:{','.join(linear[:2]) or 'NAME'} ({named})"
         )
     try:
         return peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=modules))
     except ValueError as exc:
         raise UsageError(
-            f"error: --lora {r}: peft says: {first_line(exc, 250)}; name modules it has"
+            f"error: --lora {r}: peft says: {first_line(exc, 200).rstrip('. ')}; name modules it has "
+            f"({named})"
         ) from exc
 
 
