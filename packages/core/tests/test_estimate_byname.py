@@ -194,3 +194,16 @@ def test_bad_by_name_and_fine_tuning_input_is_one_line_exit_2(hf_dirs, tmp_path,
     assert info.value.code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("memfit estimate: error: ") and message in err, err
     assert re.search(r"; \S", err), err  # the problem, then the fix
+
+
+def test_a_124m_gpt2_config_estimates_in_seconds(tmp_path):
+    """The issue's bar: `memfit estimate hf:DIR --input 8x1024` for GPT-2 124M within 10 s of one core
+    (CPU time, which a loaded machine does not inflate; the command line adds about 3 s of imports)."""
+    import time
+
+    transformers.GPT2Config(architectures=["GPT2LMHeadModel"]).save_pretrained(tmp_path)
+    start = time.process_time()
+    trace = trace_target(byname.load_target(f"hf:{tmp_path}", ["8x1024"]))
+    took = time.process_time() - start
+    assert trace.report.params == 124_439_808
+    assert took <= 7, f"{took:.1f} s of CPU"

@@ -193,7 +193,8 @@ def hf_target(spec: str, inputs: list[str] | None, dtype: str | None, amp: str, 
     amp_dtype = AMP_DTYPES[amp]
 
     def build() -> nn.Module:
-        return cls._from_config(config)
+        with quiet_transformers():
+            return cls._from_config(config)
 
     def make(k: dict[str, int]) -> TrainStep:
         return hf_step(build, (k["batch"], k["input:1"]), ids_dtype, vocab, task, labels, amp_dtype)
@@ -207,6 +208,20 @@ def hf_target(spec: str, inputs: list[str] | None, dtype: str | None, amp: str, 
         f"autocast {amp}"
     )
     return Target(spec, make, {"batch": shape[0], "input:1": shape[1]}, describe)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' own warnings off (a config's unset loss_type, ...): the estimate's output is the
+    answer."""
+    import transformers
+
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(level)
 
 
 def hf_step(
@@ -230,7 +245,8 @@ def hf_step(
         return {"input_ids": ids}
 
     def loss(model, batch):
-        out = model(**batch)
+        with quiet_transformers():  # "loss_type=None ... Using the default loss" on the first call
+            out = model(**batch)
         if "labels" in batch:
             return out.loss
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -286,7 +287,9 @@ def with_lora(model: nn.Module, r: int, modules: list[str] | None) -> nn.Module:
             f"{r}:{','.join(linear[:2]) or 'NAME'} ({named})"
         )
     try:
-        return peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=modules))
+        with warnings.catch_warnings():  # transformers' deprecation of what peft asks it
+            warnings.simplefilter("ignore", FutureWarning)
+            return peft.get_peft_model(model, peft.LoraConfig(r=r, target_modules=modules))
     except ValueError as exc:
         raise UsageError(
             f"error: --lora {r}: peft says: {first_line(exc, 200).rstrip('. ')}; name modules it has "
