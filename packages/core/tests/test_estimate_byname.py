@@ -207,3 +207,35 @@ def test_a_124m_gpt2_config_estimates_in_seconds(tmp_path):
     took = time.process_time() - start
     assert trace.report.params == 124_439_808
     assert took <= 7, f"{took:.1f} s of CPU"
+
+
+def test_fine_tuning_flags_apply_to_factories_and_trainstep_files(tmp_path, capsys):
+    """The flags wrap any target's step: a TrainStep file's own optimizer is replaced, a factory's
+    parameters frozen; the CLI's peak equals a real CPU step of the same wrapped step."""
+    from memfit.estimate.byname import load_target
+
+    f = tmp_path / "steps.py"
+    f.write_text(
+        "import torch\n"
+        "from memfit.memory import TrainStep\n"
+        "def net():\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))\n"
+        "def step(batch: int = 4):\n"
+        "    return TrainStep(net, lambda d: torch.randn(batch, 32, device=d),\n"
+        "                     lambda m, x: m(x).square().mean(), amp_dtype=None)\n"
+    )
+    cases = [
+        ([f"{f}:step"], ["--optimizer", "adam:betas=(0.8,0.9)", "--accumulate", "2"]),
+        ([f"{f}:net", "--input", "4x32"], ["--freeze", "^0\\.", "--optimizer", "rmsprop"]),
+    ]
+    for target, flags in cases:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["estimate", *target, *flags, "--json"])
+        assert info.value.code == 0
+        got = json.loads(capsys.readouterr().out)
+        t = load_target(target[0], target[2:] or None)
+        ft = finetune.parse(**{k.lstrip("-"): v for k, v in zip(flags[::2], flags[1::2])})
+        step = finetune.apply(t, ft).step()
+        real = measure_training_step(step).peak_bytes
+        assert abs(got["peak_gib"] * 2**30 - real) <= 0.01 * real, (got["peak_gib"] * 2**30, real)
+        assert type(step.optimizer(step.build_model().parameters())).__name__ in got["setup"]
