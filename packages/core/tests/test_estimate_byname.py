@@ -239,3 +239,24 @@ def test_fine_tuning_flags_apply_to_factories_and_trainstep_files(tmp_path, caps
         real = measure_training_step(step).peak_bytes
         assert abs(got["peak_gib"] * 2**30 - real) <= 0.01 * real, (got["peak_gib"] * 2**30, real)
         assert type(step.optimizer(step.build_model().parameters())).__name__ in got["setup"]
+
+
+def test_task_picks_another_head(tmp_path):
+    """--task over config.json's architectures (or a config without any): a Mistral classifier, whose
+    config has no pad id (a decoder classifier needs one for a batch), against a real CPU step."""
+    transformers.MistralConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ).save_pretrained(tmp_path)
+    assert "MistralForCausalLM" in byname.load_target(f"hf:{tmp_path}", ["2x32"]).describe
+    t = byname.load_target(f"hf:{tmp_path}", ["2x32"], task="classification")
+    assert (
+        t.describe.startswith("MistralForSequenceClassification")
+        and "cross-entropy over 2 labels" in t.describe
+    )
+    step = t.step()
+    assert estimate_training_step(step).peak_bytes == measure_training_step(step).peak_bytes

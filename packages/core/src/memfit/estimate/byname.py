@@ -186,6 +186,11 @@ def hf_target(spec: str, inputs: list[str] | None, dtype: str | None, amp: str, 
     labels = int(getattr(config, "num_labels", 2) or 2)
     if getattr(config, "use_cache", None):
         config.use_cache = False
+    if task == "classification" and getattr(config, "pad_token_id", None) is None:
+        # a decoder classifier pools at the last non-pad token and refuses a batch without a pad id; the
+        # random ids are never a pad, so the choice only decides that the last token is pooled
+        eos = getattr(config, "eos_token_id", None)
+        config.pad_token_id = (eos[0] if eos else 0) if isinstance(eos, list) else (eos or 0)
     if task == "seq2seq-lm" and getattr(config, "decoder_start_token_id", None) is None:
         # the labels shifted right start the decoder's inputs; a config without the start id (T5's is
         # its pad id) cannot make them
