@@ -35,7 +35,7 @@ class FineTune:
     lora: int | None = None
     lora_modules: list[str] | None = None
     freeze: re.Pattern | None = None
-    optimizer: type[torch.optim.Optimizer] | None = None
+    optimizer: type[Optimizer] | None = None
     optimizer_kwargs: dict | None = None
     accumulate: int = 1
 
@@ -111,16 +111,16 @@ def parse_lora(text: str) -> tuple[int, list[str] | None]:
     return r, modules
 
 
-def optimizers() -> dict[str, type[torch.optim.Optimizer]]:
+def optimizers() -> dict[str, type[Optimizer]]:
     """torch.optim's optimizer classes by lower-case name."""
     return {
         name.lower(): cls
         for name, cls in vars(torch.optim).items()
-        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) and cls is not Optimizer
+        if isinstance(cls, type) and issubclass(cls, Optimizer) and cls is not Optimizer
     }
 
 
-def parse_optimizer(text: str) -> tuple[type[torch.optim.Optimizer], dict]:
+def parse_optimizer(text: str) -> tuple[type[Optimizer], dict]:
     """``sgd:momentum=0.9,nesterov=true`` -> (torch.optim.SGD, {"momentum": 0.9, "nesterov": True})."""
     name, _, rest = text.partition(":")
     known = optimizers()
