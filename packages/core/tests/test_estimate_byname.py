@@ -260,3 +260,16 @@ def test_task_picks_another_head(tmp_path):
     )
     step = t.step()
     assert estimate_training_step(step).peak_bytes == measure_training_step(step).peak_bytes
+
+
+def test_a_missing_optional_library_is_one_line_naming_the_extra(hf_dirs, monkeypatch, capfd):
+    for module, argv, extra in [
+        ("peft", ["hf:{llama}", "--input", "2x8", "--lora", "8"], "memfit-core[finetune]"),
+        ("transformers", ["hf:{llama}", "--input", "2x8"], "memfit-core[hf]"),
+    ]:
+        with monkeypatch.context() as m:
+            m.setitem(__import__("sys").modules, module, None)  # `import module` raises ImportError
+            with pytest.raises(SystemExit) as info:
+                cli.main(["estimate", *[a.format(llama=hf_dirs["llama"]) for a in argv]])
+        err = capfd.readouterr().err
+        assert info.value.code == 2 and err.count("\n") == 1 and extra in err, err
