@@ -13,6 +13,8 @@ lifetime) gives:
 ``--device cuda`` (the default whenever ``--gpu_gib`` is given) estimates what a CUDA run keeps
 (``memfit.estimate.rules``). The same result is the Python API: ``memfit.estimate(model_or_factory, inputs)``
 (this module is callable) returns an ``EstimateResult`` whose ``to_dict()`` is the ``--json`` object.
+A target may be a model by name (``hf:``, ``timm:``, ``torchvision:``; ``memfit.estimate.byname``) and any
+target fine-tuned (``--lora``, ``--freeze``, ``--optimizer``, ``--accumulate``; ``memfit.estimate.finetune``).
 """
 
 from __future__ import annotations
