@@ -393,7 +393,7 @@ def estimate_model(
     lora: int | str | None = None,
     freeze: str | None = None,
     optimizer: str | None = None,
-    accumulate: int = 1,
+    accumulate: int | None = None,
 ) -> EstimateResult:
     """``memfit.estimate(...)``: the training-step memory of a model, from a notebook.
 

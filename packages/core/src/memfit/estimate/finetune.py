@@ -37,7 +37,7 @@ class FineTune:
     freeze: re.Pattern | None = None
     optimizer: type[Optimizer] | None = None
     optimizer_kwargs: dict | None = None
-    accumulate: int = 1
+    accumulate: int | None = None  # None: the step's own (1 unless a TrainStep says otherwise)
 
     def describe(self) -> str:
         parts = []
@@ -46,7 +46,7 @@ class FineTune:
             parts.append(f"LoRA r={self.lora} on {where}")
         if self.freeze is not None:
             parts.append(f"frozen: parameters matching {self.freeze.pattern!r}")
-        if self.accumulate > 1:
+        if self.accumulate is not None and self.accumulate > 1:
             parts.append(f"{self.accumulate} micro-batches per optimizer step")
         return ", ".join(parts)
 
@@ -57,7 +57,9 @@ class FineTune:
 
     @property
     def empty(self) -> bool:
-        return self.lora is None and self.freeze is None and self.optimizer is None and self.accumulate == 1
+        return (
+            self.lora is None and self.freeze is None and self.optimizer is None and self.accumulate is None
+        )
 
 
 def parse(
@@ -232,7 +234,7 @@ def finetuned(step: TrainStep, ft: FineTune, device: str = "cpu") -> TrainStep:
         return model
 
     opt = step.optimizer if ft.optimizer is None else optimizer_factory(ft, device)
-    return replace(step, build_model=build_model, optimizer=opt, accumulate=step.accumulate * ft.accumulate)
+    return replace(step, build_model=build_model, optimizer=opt, accumulate=ft.accumulate or step.accumulate)
 
 
 def optimizer_factory(ft: FineTune, device: str) -> Callable:
