@@ -241,7 +241,7 @@ def test_fine_tuning_flags_apply_to_factories_and_trainstep_files(tmp_path, caps
         assert type(step.optimizer(step.build_model().parameters())).__name__ in got["setup"]
 
 
-def test_task_picks_another_head(tmp_path):
+def test_task_picks_another_head(hf_dirs, tmp_path):
     """--task over config.json's architectures (or a config without any): a Mistral classifier, whose
     config has no pad id (a decoder classifier needs one for a batch), against a real CPU step."""
     transformers.MistralConfig(
@@ -259,6 +259,11 @@ def test_task_picks_another_head(tmp_path):
         and "cross-entropy over 2 labels" in t.describe
     )
     step = t.step()
+    assert estimate_training_step(step).peak_bytes == measure_training_step(step).peak_bytes
+    # the bare model: its outputs summed, the pooler's too (so its parameters train, as a head's would)
+    base = byname.load_target(f"hf:{hf_dirs['bert']}", ["2x32"], task="base")
+    step = base.step()
+    assert base.describe.startswith("BertModel")
     assert estimate_training_step(step).peak_bytes == measure_training_step(step).peak_bytes
 
 

@@ -7,8 +7,9 @@ No file of the user's is needed and no weights are read: a Hugging Face model is
 
 The step of a Hugging Face language model is its own loss: ``model(input_ids=ids, labels=ids)`` (a
 sequence-to-sequence model takes the labels as its decoder targets); a classifier's labels are random
-classes; ``--task base`` sums the last hidden state. Image models take ``--input`` or their default
-resolution (timm's ``pretrained_cfg``, torchvision's weights' crop size, else 224), said in the setup line.
+classes; ``--task base`` sums the last hidden state (and a pooler's output). Image models take ``--input``
+or their default resolution (timm's ``pretrained_cfg``, torchvision's weights' crop size, else 224), said
+in the setup line.
 
 ``load_target`` is the one entry: a by-name spec here, anything else ``memfit.estimate.trace``'s.
 """
@@ -205,7 +206,10 @@ def hf_target(spec: str, inputs: list[str] | None, dtype: str | None, amp: str, 
         return hf_step(build, (k["batch"], k["input:1"]), ids_dtype, vocab, task, labels, amp_dtype)
 
     weights = str(getattr(config, "dtype", None) or torch.get_default_dtype()).removeprefix("torch.")
-    loss = {"classification": f"cross-entropy over {labels} labels", "base": "sum of the last hidden state"}
+    loss = {
+        "classification": f"cross-entropy over {labels} labels",
+        "base": "sum of the last hidden state (and pooler output)",
+    }
     describe = (
         f"{cls.__name__} from {'config.json' if Path(name).is_dir() else 'the Hub config'} (no weights, "
         f"{weights} parameters), --input {shape[0]}x{shape[1]}:{str(ids_dtype).removeprefix('torch.')} "
@@ -254,8 +258,9 @@ def hf_step(
             out = model(**batch)
         if "labels" in batch:
             return out.loss
-        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        return hidden.float().sum()
+        # every floating output (the last hidden state, a pooler's output): each head parameter trains
+        outs = [t for t in out.values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return sum(t.float().sum() for t in outs)
 
     return TrainStep(build, make_batch, loss, default_optimizer, amp_dtype)
 
