@@ -73,8 +73,10 @@ def test_hf_config_folder_estimate_equals_a_real_cpu_step(hf_dirs, model, flags)
     trainable = sum(p.numel() for p in model_built.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model_built.parameters())
     assert (trainable < total) == (flags in ("lora", "freeze"))
-    if flags == "lora":
+    if flags == "lora":  # peft's defaults for the model type, named in the setup line
         assert any("lora_A" in n for n, _ in model_built.named_parameters())
+        defaults = {"llama": "q_proj,v_proj", "qwen2": "q_proj,v_proj", "bert": "query,value", "t5": "q,v"}
+        assert f"LoRA r=16 on {defaults[model]}" in target.describe
     if flags == "adafactor":  # Adafactor reads its step count with .item(): assumed, and said
         assert est.notes and "assumed" in est.notes[0]
 

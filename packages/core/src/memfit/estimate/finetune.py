@@ -38,11 +38,12 @@ class FineTune:
     optimizer: type[Optimizer] | None = None
     optimizer_kwargs: dict | None = None
     accumulate: int | None = None  # None: the step's own (1 unless a TrainStep says otherwise)
+    default_modules: list[str] | None = None  # peft's defaults for this model (the setup line names them)
 
     def describe(self) -> str:
         parts = []
         if self.lora is not None:
-            where = ",".join(self.lora_modules) if self.lora_modules else "peft's default modules"
+            where = ",".join(self.lora_modules or self.default_modules or ["peft's default modules"])
             parts.append(f"LoRA r={self.lora} on {where}")
         if self.freeze is not None:
             parts.append(f"frozen: parameters matching {self.freeze.pattern!r}")
@@ -194,6 +195,8 @@ def apply(target: Target, ft: FineTune) -> Target:
         return target
     if ft.lora is not None:
         require_peft()
+        if ft.lora_modules is None:  # say which: peft's defaults for the model type, when it builds on meta
+            ft = replace(ft, default_modules=_default_modules(target.step()))
     inner = target.make
 
     def make(k: dict[str, int]) -> TrainStep:
@@ -261,6 +264,17 @@ def require_peft():
     except ImportError as exc:
         raise UsageError("error: --lora needs peft; pip install 'memfit-core[finetune]' (or peft)") from exc
     return peft
+
+
+def _default_modules(step: TrainStep) -> list[str] | None:
+    """peft's default LoRA modules for the step's model (built on the meta device); None when it does not
+    build there or peft has none for it (with_lora then says so in the trace)."""
+    try:
+        with torch.device("meta"):
+            model = step.build_model()
+    except Exception:  # noqa: BLE001 - a model that needs real values to build: named in the trace
+        return None
+    return lora_modules(model)
 
 
 def lora_modules(model: nn.Module) -> list[str] | None:
