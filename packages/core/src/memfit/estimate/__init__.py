@@ -15,6 +15,8 @@ lifetime) gives:
 ``--device cuda`` (the default whenever ``--gpu_gib`` is given) estimates what a CUDA run keeps
 (``memfit.estimate.rules``). The same result is the Python API: ``memfit.estimate(model_or_factory, inputs)``
 (this module is callable) returns an ``EstimateResult`` whose ``to_dict()`` is the ``--json`` object.
+A target may be a model by name (``hf:``, ``timm:``, ``torchvision:``; ``memfit.estimate.byname``) and any
+target fine-tuned (``--lora``, ``--freeze``, ``--optimizer``, ``--accumulate``; ``memfit.estimate.finetune``).
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ import torch
 from torch import nn
 
 from memfit.errors import UsageError, run_command
-from memfit.estimate import explain, workspaces
+from memfit.estimate import explain, finetune, workspaces
 from memfit.estimate import rules as kernels
+from memfit.estimate.byname import load_target
 from memfit.estimate.cuda_memory import CudaFigures
 from memfit.estimate.fit import MARGIN
 from memfit.estimate.memory import GIB, WORKSPACES
@@ -56,7 +59,6 @@ from memfit.estimate.trace import (  # noqa: F401 - re-exported: the names `memf
     _load_callable,
     factory_step,
     fmt_bytes,
-    load_target,
     log2_fit,
     make_target,
     merge_paths,
@@ -360,6 +362,9 @@ def estimate(
     if ranks < 1 or top < 1 or max_batch < 1:
         raise UsageError("error: --ranks, --top and --max_batch must be at least 1")
     result = EstimateResult(target, trace_target(target), top, ranks=ranks, shard=shard)
+    for note in result.trace.report.notes:  # what the estimate assumed: said in the setup line
+        if note not in target.describe:
+            target.describe = f"{target.describe}; note: {note}"
     if target.device == "cuda":
         result.cuda_kernels = kernels.assumed_target().describe(result.trace.report.ran)
     if what_ifs:
@@ -403,8 +408,8 @@ def capacity(device: str, gpu_gib: float | None) -> tuple[str, int, str] | None:
 
 
 def estimate_model(
-    model: nn.Module | Callable[[], nn.Module],
-    inputs: str | tuple[int, ...] | torch.Tensor | list,
+    model: nn.Module | Callable[[], nn.Module] | str,
+    inputs: str | tuple[int, ...] | torch.Tensor | list | None = None,
     *,
     dtype: str | torch.dtype | None = None,
     loss: str = "classes",
@@ -419,6 +424,11 @@ def estimate_model(
     top: int = 10,
     cuda_kernels: bool | None = None,
     gpu: str | None = None,
+    task: str | None = None,
+    lora: int | str | None = None,
+    freeze: str | None = None,
+    optimizer: str | None = None,
+    accumulate: int | None = None,
 ) -> EstimateResult:
     """``memfit.estimate(...)``: the training-step memory of a model, from a notebook.
 
@@ -432,30 +442,16 @@ def estimate_model(
     ``cuda_kernels`` (device "cuda"): whether the GPU has the ``cuda`` extra's Mamba kernels (None: what
     this machine's GPU has, or yes without one; ``--no_cuda_kernels`` is False). ``gpu`` (device "cuda"):
     the card, as ``--gpu`` takes it ("h100", "a100", "8.6"; None: this machine's GPU, else an H200).
+    ``model`` may also be a name, as the command line takes it: ``"hf:ORG/NAME"`` or ``"hf:path/to/dir"``
+    (built from its config.json, no weights; ``task`` overrides the head: causal-lm, masked-lm,
+    seq2seq-lm, classification, base), ``"timm:NAME"``, ``"torchvision:NAME"`` (``inputs`` optional for
+    those two: their default resolution). Fine-tuning, for any model: ``lora`` (a rank, or
+    ``"16:q_proj,v_proj"``), ``freeze`` (a regex of parameter names), ``optimizer`` (``"sgd:momentum=0.9"``,
+    ``"adafactor"``: any torch.optim class) and ``accumulate`` (micro-batches per optimizer step).
     The result's ``to_dict()`` is what ``memfit estimate --json`` prints; on CUDA its three figures are
     ``allocated_bytes`` (the allocator peak, also ``peak_bytes``), ``reserved_bytes`` and ``total_bytes``.
     """
-    if isinstance(model, nn.Module):
-        instance = model
-
-        def factory() -> nn.Module:  # a fake copy is made from a real copy by build_model's fallback
-            return copy.deepcopy(instance)
-
-        label = type(model).__name__
-    elif callable(model):
-        factory, label = model, getattr(model, "__name__", "model")
-    else:
-        raise UsageError(
-            f"error: memfit.estimate needs an nn.Module or a function that builds one, not {model!r}"
-        )
-    specs = inputs if isinstance(inputs, list) else [inputs]
-    texts = []
-    for s in specs:
-        if isinstance(s, torch.Tensor):
-            s = "x".join(map(str, s.shape)) + ":" + str(s.dtype).removeprefix("torch.")
-        elif isinstance(s, tuple):
-            s = "x".join(map(str, s))
-        texts.append(str(s))
+    ft = finetune.parse(lora, freeze, optimizer, accumulate)
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     amp_name = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp, amp)  # type: ignore[arg-type]
@@ -463,8 +459,19 @@ def estimate_model(
         raise UsageError(
             f"error: amp is None, 'bf16' or 'fp16' and loss 'classes', 'same' or 'sum'; got {amp!r}, {loss!r}"
         )
-    target = make_target(factory, label, texts, dtype, loss, amp_name)
+    texts = None if inputs is None else _input_texts(inputs)
+    if isinstance(model, str):
+        target = load_target(model, texts, dtype, loss, amp_name, task=task)
+    else:
+        if task is not None:
+            raise UsageError("error: task picks a Hugging Face model's head: give model as 'hf:ORG/NAME'")
+        if texts is None:
+            raise UsageError(
+                "error: memfit.estimate(model, inputs) needs the input shape, e.g. '8x3x224x224'"
+            )
+        target = _module_target(model, texts, dtype, loss, amp_name)
     target.device = _device(device)
+    target = finetune.apply(target, ft)
     card = gpu_card(target.device, gpu)
     with (
         kernels.assume_kernels(cuda_kernels_assumed(target.device, cuda_kernels)),
@@ -480,6 +487,40 @@ def estimate_model(
             ranks=ranks,
             shard=shard,
         )
+
+
+def _input_texts(inputs: str | tuple[int, ...] | torch.Tensor | list) -> list[str]:
+    """The Python API's inputs as --input texts."""
+    specs = inputs if isinstance(inputs, list) else [inputs]
+    texts = []
+    for s in specs:
+        if isinstance(s, torch.Tensor):
+            s = "x".join(map(str, s.shape)) + ":" + str(s.dtype).removeprefix("torch.")
+        elif isinstance(s, tuple):
+            s = "x".join(map(str, s))
+        texts.append(str(s))
+    return texts
+
+
+def _module_target(
+    model: nn.Module | Callable[[], nn.Module], texts: list[str], dtype: str | None, loss: str, amp_name: str
+) -> Target:
+    """The Target of an nn.Module (copied, never changed) or a function that builds one."""
+    if isinstance(model, nn.Module):
+        instance = model
+
+        def factory() -> nn.Module:  # a fake copy is made from a real copy by build_model's fallback
+            return copy.deepcopy(instance)
+
+        label = type(model).__name__
+    elif callable(model):
+        factory, label = model, getattr(model, "__name__", "model")
+    else:
+        raise UsageError(
+            "error: memfit.estimate needs an nn.Module, a function that builds one, or a name such as "
+            f"'hf:ORG/NAME', not {model!r}"
+        )
+    return make_target(factory, label, texts, dtype, loss, amp_name)
 
 
 def cuda_kernels_assumed(device: str, cuda_kernels: bool | None) -> frozenset[str]:
@@ -552,8 +593,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "target",
-        help="path/to/file.py:func or package.module:func; func() returns a memfit.memory.TrainStep, or is "
-        "a module factory (then give --input)",
+        help="path/to/file.py:func or package.module:func (func() returns a memfit.memory.TrainStep, or is "
+        "a module factory: then give --input); or a model by name: hf:ORG/NAME or hf:path/to/dir (its "
+        "config.json, no weights), timm:NAME, torchvision:NAME",
     )
     p.add_argument(
         "--input",
@@ -581,6 +623,23 @@ def add_parser(sub) -> None:
         "shape (same), or the output's sum",
     )
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="autocast (factories)")
+    p.add_argument(
+        "--task",
+        help="an hf: model's head instead of config.json's architectures: causal-lm, masked-lm, seq2seq-lm, "
+        "classification, base",
+    )
+    p.add_argument(
+        "--lora",
+        help="fine-tune with peft's LoRA of rank R on peft's default modules for the model (R:mod1,mod2 "
+        "names them); needs memfit-core[finetune]",
+    )
+    p.add_argument("--freeze", help="freeze the parameters whose names match this regular expression")
+    p.add_argument(
+        "--optimizer",
+        help="any torch.optim class by name with keywords, e.g. sgd:momentum=0.9, adafactor, "
+        "adamw:betas=(0.9,0.95) (default: fused AdamW, or the TrainStep's)",
+    )
+    p.add_argument("--accumulate", help="micro-batches (forward + backward each) per optimizer step")
     p.add_argument("--top", type=int, default=10, help="how many tensor groups to list")
     p.add_argument("--explain", action="store_true", help="what-ifs: SDPA, bf16, checkpointing, half batch")
     p.add_argument("--scale", help="fit the activation exponent over 1x-4x of: batch, input:AXIS, or a knob")
@@ -623,8 +682,10 @@ def _main(args) -> int:
             from memfit.estimate.timeline import check_path
 
             check_path(path, flag)
-    target = load_target(args.target, args.input, args.dtype, args.loss_target, args.amp)
+    ft = finetune.parse(args.lora, args.freeze, args.optimizer, args.accumulate)
+    target = load_target(args.target, args.input, args.dtype, args.loss_target, args.amp, task=args.task)
     target.device = device
+    target = finetune.apply(target, ft)
     assumed = cuda_kernels_assumed(device, False if args.no_cuda_kernels else None)
     with kernels.assume_kernels(assumed), workspaces.assume_card(card):
         result = estimate(

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memfit.errors import UsageError
+from memfit.estimate import finetune
 from memfit.estimate.fit import MARGIN, largest_batch, needed_bytes, usable_bytes
 from memfit.estimate.memory import GIB, TrainStep
 from memfit.estimate.trace import (
@@ -232,6 +233,23 @@ def what_ifs(target: Target, trace: Trace) -> list[WhatIf]:
         rows.append(_retraced(f"batch halved ({b})", _retrace(target.step(batch=b), target.device)))
     else:
         rows.append(WhatIf("batch halved", None, "no batch knob"))
+    return rows + finetune_what_ifs(step, target.device)
+
+
+def finetune_what_ifs(step: TrainStep, device: str) -> list[WhatIf]:
+    """LoRA r=16 (peft's default modules; when peft knows the model and it has no LoRA yet) and plain SGD
+    (when the optimizer keeps Adam's two moments): rows only where they apply."""
+    rows = []
+    if finetune.lora_applies(step):
+        lora = finetune.FineTune(lora=16)
+        note = "peft's default target modules; base weights frozen"
+        rows.append(_retraced("LoRA r=16", _retrace(finetune.finetuned(step, lora, device), device), note))
+    if (adam := finetune.adam_like(step)) is not None:
+        sgd = finetune.FineTune(optimizer=torch.optim.SGD, optimizer_kwargs={})
+        note = "plain SGD keeps no state (with momentum: one buffer per parameter)"
+        rows.append(
+            _retraced(f"SGD instead of {adam}", _retrace(finetune.finetuned(step, sgd, device), device), note)
+        )
     return rows
 
 

@@ -63,9 +63,11 @@ class TrainStep:
     - ``make_batch(device)`` -> any batch (tensors, tuples, dicts) made on ``device``;
     - ``loss(model, batch)`` -> a scalar tensor; it runs under autocast when ``amp_dtype`` is set;
     - ``optimizer(params)`` -> an ``Optimizer`` (default: fused AdamW);
-    - ``amp_dtype``: the autocast dtype (default bf16) or None for full precision.
+    - ``amp_dtype``: the autocast dtype (default bf16) or None for full precision;
+    - ``accumulate``: micro-batches per optimizer step (gradient accumulation; default 1).
 
-    A step is: ``loss(model, make_batch(device)).backward(); opt.step(); opt.zero_grad(set_to_none=True)``.
+    A step is: ``loss(model, make_batch(device)).backward()`` ``accumulate`` times (the gradients add up
+    between micro-batches), then ``opt.step(); opt.zero_grad(set_to_none=True)``.
     Example::
 
         def step(batch: int = 32) -> TrainStep:   # a `batch` keyword lets `--gpu_gib` / `--scale` vary it
@@ -82,6 +84,7 @@ class TrainStep:
     loss: Callable[[nn.Module, Any], torch.Tensor]
     optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] = default_optimizer
     amp_dtype: torch.dtype | None = torch.bfloat16
+    accumulate: int = 1
 
 
 @dataclass
@@ -97,6 +100,8 @@ class MemoryReport:
     cuda: CudaFigures | None = None
     # an estimate: the implementations its op sites chose ({(op, implementation): calls}, registry.traced)
     ran: dict[tuple[str, str], int] = field(default_factory=dict)
+    # an estimate: what it had to assume (a value the optimizer step read, which fake tensors lack)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def peak_gib(self) -> float:
@@ -160,6 +165,8 @@ class _StorageTracker(TorchDispatchMode):
         # allocation and free in order, which the caching-allocator simulation replays
         self.libraries: workspaces.CudaLibraries | None = None
         self.events: list[tuple] | None = None
+        # fake mode: the values the optimizer step read from tensors (`.item()`, `if tensor:`), assumed
+        self.assumed: dict[str, int] = {}
 
     seq = 0  # a sequence number of allocations and frees (the trace's; 0 here)
 
@@ -235,6 +242,15 @@ class _StorageTracker(TorchDispatchMode):
         for entry in reversed(transient):
             self._free(entry)
 
+    def _assume_value(self, t: torch.Tensor) -> bool | int | float:
+        """A value an optimizer step reads from a fake tensor (Adafactor's step count with `.item()`, a
+        branch on a tensor): fake tensors have none, so the step goes on with 1 (True) and says so. What it
+        allocates does not depend on the value; only scalar arithmetic and branches see it."""
+        value = True if t.dtype is torch.bool else (1.0 if t.dtype.is_floating_point else 1)
+        key = f"{value} ({str(t.dtype).removeprefix('torch.')})"
+        self.assumed[key] = self.assumed.get(key, 0) + 1
+        return value
+
     def _extra_entry(self, x: workspaces.Extra) -> list:
         return [x.nbytes, x.category]
 
@@ -304,6 +320,8 @@ class _StorageTracker(TorchDispatchMode):
         if func is _PRIM_DEVICE or id(func) in _QUERY_IDS:  # no tensor made; 2/3 of a step's calls
             return _query(func, args, kwargs)
         if self.fake:
+            if func is _LOCAL_SCALAR and self.phase == "optimizer":
+                return self._assume_value(args[0])
             out, made = _fast_fake_call(func, args, kwargs, self.fake_mode)
             fix = kernels.cpu_fixes.get(id(func))
             if fix is not None:  # never on the fast path (_op_kind): `made` is None
@@ -357,6 +375,7 @@ class _StorageTracker(TorchDispatchMode):
 # take this path.
 
 _PRIM_DEVICE = torch.ops.prim.device.default
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default  # tensor.item(), bool(tensor): a value
 _QUERIES = {
     _PRIM_DEVICE,
     torch.ops.aten.size.default,
@@ -678,10 +697,12 @@ def _autocast(step: TrainStep, device: torch.device) -> contextlib.AbstractConte
 
 
 def _run_step(step: TrainStep, model: nn.Module, opt: torch.optim.Optimizer, device: torch.device) -> None:
-    batch = step.make_batch(device)
-    with _autocast(step, device):
-        loss = step.loss(model, batch)
-    loss.backward()
+    for _ in range(step.accumulate):
+        batch = step.make_batch(device)
+        with _autocast(step, device):
+            loss = step.loss(model, batch)
+        loss.backward()
+        del batch, loss
     opt.step()
     opt.zero_grad(set_to_none=True)
 
@@ -757,14 +778,15 @@ def _tracked_steps(
         if fake:
             later.enter_context(kernels.real_run_paths())
         for _ in range(steps):
-            tracker.category, tracker.phase = "activations", "input"
-            batch = step.make_batch(device)
-            tracker.phase = "forward"
-            with _autocast(step, device), tracker.forward_context():
-                loss = step.loss(model, batch)
-            tracker.phase = "backward"
-            loss.backward()
-            del loss
+            for _ in range(step.accumulate):  # micro-batches: the gradients add up between them
+                tracker.category, tracker.phase = "activations", "input"
+                batch = step.make_batch(device)
+                tracker.phase = "forward"
+                with _autocast(step, device), tracker.forward_context():
+                    loss = step.loss(model, batch)
+                tracker.phase = "backward"
+                loss.backward()
+                del loss
             tracker.category, tracker.phase = "optimizer", "optimizer"
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -773,11 +795,19 @@ def _tracked_steps(
             h.remove()
         n_params = sum(p.numel() for p in model.parameters())
         del model, opt, batch
+    notes = []
+    if tracker.assumed:
+        values = ", ".join(f"{v} ({n} reads)" for v, n in tracker.assumed.items())
+        notes.append(
+            "the optimizer step reads tensor values (.item() or a branch on a tensor) that an estimate does "
+            f"not have: assumed {values}; its state and temporaries are counted in full"
+        )
     return MemoryReport(
         peak_bytes=tracker.peak,
         by_category=dict(tracker.peak_by_category),
         by_module=retained,
         params=n_params,
+        notes=notes,
     )
 
 
