@@ -13,7 +13,11 @@ make that differ from a real run:
 
   - ``F.scaled_dot_product_attention`` takes the backend CUDA's dispatcher would pick (``sdpa_backend``):
     flash attention (fp16/bf16, no explicit mask, head dim <= 256), else memory-efficient attention
-    (fp16/bf16/fp32, masks allowed, head dim a multiple of 8, or 4 in fp32), else the math path. The fused
+    (fp16/bf16/fp32, masks allowed, head dim a multiple of 8, or 4 in fp32, as many key/value heads as
+    query heads), else the math path. The math path runs as ``_scaled_dot_product_attention_math``
+    (the same composite on every device) with only the math backend allowed: left to itself, SDPA on the
+    fake CPU tensors would take the CPU flash kernel, which takes fp32 and grouped heads and keeps no
+    probabilities (a fp32 LLaMA with grouped key/value heads read low against the H200). The fused
     kernels are called directly (``aten._scaled_dot_product_flash_attention`` /
     ``_scaled_dot_product_efficient_attention``), so autograd saves what they return: the output, the fp32
     log-sum-exp (batch, heads, queries; padded to a multiple of 32 queries for memory-efficient attention)
@@ -53,6 +57,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from memfit.estimate import workspaces
@@ -135,7 +140,14 @@ def cuda_block_bytes(nbytes: int) -> int:
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, enable_gqa: bool) -> str:
     """The backend PyTorch's CUDA dispatcher picks for these (post-autocast) inputs on an sm80+ GPU:
-    "flash", "efficient" or "math" (PyTorch's sdp_utils: flash first, then memory-efficient)."""
+    "flash", "efficient" or "math" (PyTorch's sdp_utils: flash first, then memory-efficient).
+
+    Grouped heads (``enable_gqa``, fewer key/value heads than query heads): in torch 2.11 only flash (and
+    cuDNN attention, fp16/bf16 too) accept them; memory-efficient attention checks
+    ``check_batch_size_and_num_heads_dense`` without GQA support, so fp32 with grouped heads takes the
+    math path, which repeats the keys and values to every head (``repeat_interleave``) and keeps the
+    (L, S) fp32 probabilities for backward. Native GQA in memory-efficient attention came after 2.11
+    (pytorch/pytorch#191085)."""
     half = q.dtype in (torch.float16, torch.bfloat16)
     same_dtype = q.dtype == k.dtype == v.dtype
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -173,9 +185,13 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, attn_mask, need_grad, dropout_p, is_causal, scale=scale
             )[0]
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
+        # the math path, as CUDA runs it: the fake tensors are CPU tensors, whose dispatcher would pick the
+        # CPU flash kernel (fp32 included, grouped heads included), which keeps no scores; only the math
+        # backend allowed, the same composite (``_scaled_dot_product_attention_math``) runs here
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
 
 
 # CUDA autocast's fp32 ops (aten/src/ATen/autocast_mode.cpp, KERNEL_CUDA ... fp32 and fp32_set_opt_dtype),
