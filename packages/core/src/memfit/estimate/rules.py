@@ -284,6 +284,10 @@ class _CudnnRNN(torch.autograd.Function):
         ctx.workspace = workspaces.cudnn_rnn_workspace_bytes(
             mode, x.shape[-1], hidden, T, B, layers, bidirectional
         )
+        shape = (mode, x.shape[-1], hidden, T, B, layers, bidirectional)
+        outside = workspaces.rnn_workspace_note(*shape, x.dtype)
+        if outside:
+            workspaces.note(f"rnn {shape}", outside)
         workspace = x.new_empty((ctx.workspace,), dtype=torch.uint8)  # before the reserve, as RNN.cpp
         reserve = x.new_empty((nbytes,), dtype=torch.uint8)
         del workspace, copy  # cuDNN's workspace and the time-major input die with the call
