@@ -41,9 +41,12 @@ make that differ from a real run:
     a GPU run then takes (``memfit.ops.scan``'s chunked scan holds several (batch, chunk, N, dim) buffers:
     mbsnet-speech's chunked-200f step needs 1.01 GiB instead of 0.43).
 
-  Not modelled (the margin, ``memfit.estimate.fit.MARGIN``, covers them): cuDNN's convolution workspaces,
-  kernels' internal temporaries (embedding backward's sort), and cuDNN's RNN reserve and workspaces (the
-  oneDNN workspace, which stores the same per-step gates and states, stands in for the reserve).
+  - ``nn.GRU`` / ``nn.LSTM`` run ``_cudnn_rnn`` (``_CudnnRNN``): cuDNN's reserve and workspace
+    (``memfit.estimate.workspaces``) with the calls' contiguous copies.
+
+  Not modelled (the margin, ``memfit.estimate.fit.MARGIN``, covers them): cuDNN's convolution workspaces
+  (bounded in the report's notes), kernels' internal temporaries (embedding backward's sort), the math
+  path's dropout inside SDPA (the CPU's noise tensor stands in for CUDA's bool mask).
 """
 
 from __future__ import annotations

@@ -22,11 +22,15 @@ Modelled:
   work area, 0 for the transform sizes measured (n <= 8192) and one complex signal above;
 * **the CUDA context**: a measured constant per card (``Card.context_bytes``), outside the allocator.
 
+* **cuDNN's RNN reserve and workspace**: the reserve by a formula exact on 192 recorded shapes, the
+  workspace by a table measured on 128 shapes read as cuDNN's terms (8 MiB per layer and direction, the
+  weights, a per-(T * B) slope); a shape outside the measured ones says so in the report's notes.
+
 Not modelled, because no source decides them and a fake trace cannot ask the library (see
 docs/your-own-model.md, "GPU accuracy"): cuDNN's convolution workspaces (chosen by cuDNN's heuristics at
-run time; measured up to 12.7 MiB per call on ResNet-50), cuDNN's RNN workspaces (12-259 MiB measured over
-128 shapes, no formula), flash and memory-efficient attention's internal temporaries, the context's growth
-as kernels load lazily (+110-240 MiB measured after a few steps).
+run time; measured up to 12.7 MiB per call on ResNet-50; the report's notes bound them for the step),
+flash and memory-efficient attention's internal temporaries, the context's growth as kernels load lazily
+(+110-240 MiB measured after a few steps).
 """
 
 from __future__ import annotations
