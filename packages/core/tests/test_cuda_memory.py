@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from memfit import cli
 from memfit.errors import UsageError
 from memfit.estimate import fit, workspaces
+from memfit.estimate import rules as kernels
 from memfit.estimate.memory import WORKSPACES, TrainStep, estimate_training_step
-from memfit.estimate.trace import DTYPE, MODULE, OP, trace_step
+from memfit.estimate.trace import BORN, DTYPE, FREED, MODULE, OP, SHAPE, trace_step
 from torch import nn
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
@@ -370,6 +371,36 @@ def test_rnns_take_cudnn_on_cuda_with_its_reserve_and_no_cublas(mode):
     params = sum(p.numel() for p in cls(256, 512, num_layers=2).parameters()) * 4
     grads = [r for r in tr.records if r[1] == "grads" and r[MODULE] == "(backward)"]
     assert [r[0] for r in grads] == [block(params)] * 2  # one flat buffer per step, the grads its views
+
+
+def test_under_autocast_cudas_rnn_runs_in_fp16_on_a_flat_fp16_copy_of_its_weights():
+    """CUDA autocast registers ``_cudnn_rnn_cast_reflatten`` for ``_cudnn_rnn`` (aten/src/ATen/cudnn/
+    AutocastRNN.cpp): the RNN runs in fp16 whatever autocast's dtype, on the input cast to fp16 and a new
+    fp16 flat buffer of the weights that backward keeps; the parameters' gradients come back in fp32. The
+    CPU autocast of the trace would have run it in fp32 (the reserve, output and copies twice the bytes)."""
+    step = TrainStep(
+        build_model=lambda: nn.GRU(256, 512, num_layers=2, batch_first=True),
+        make_batch=lambda d: torch.randn(16, 200, 256, device=d),
+        loss=lambda m, x: m(x)[0].float().square().mean(),
+        amp_dtype=torch.bfloat16,
+    )
+    tr = trace_step(step, device="cuda")
+    block = kernels.cuda_block_bytes
+    reserve = workspaces.cudnn_rnn_reserve_bytes("gru", 512, 200, 16, 2, 2)  # fp16: 2 bytes per value
+    assert [r[0] for r in tr.records if r[DTYPE] == torch.uint8 and r[6]] == [block(reserve)] * 2
+    outputs = [r for r in tr.records if r[SHAPE] == (200, 16, 512) and r[6]]
+    assert outputs and all(r[DTYPE] == torch.float16 for r in outputs)
+    n_weights = sum(p.numel() for p in nn.GRU(256, 512, num_layers=2).parameters())
+    flat = [
+        r
+        for r in tr.records
+        if r[SHAPE] == (n_weights,) and r[DTYPE] == torch.float16 and r[OP] == "new_empty"
+    ]
+    assert len(flat) == 2 and all(r[FREED] > r[BORN] for r in flat)  # one per step, kept into backward
+    grads = [r for r in tr.records if r[1] == "grads"]
+    assert grads and all(r[DTYPE] == torch.float32 for r in grads)
+    plain = trace_step(TrainStep(step.build_model, step.make_batch, step.loss, amp_dtype=None), device="cuda")
+    assert tr.report.peak_bytes < plain.report.peak_bytes
 
 
 def test_the_cudnn_rnn_workspace_table_is_the_recorded_readings_fit():

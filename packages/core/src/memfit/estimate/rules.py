@@ -295,14 +295,15 @@ class _CudnnRNN(torch.autograd.Function):
         reserve = x.new_empty((nbytes,), dtype=torch.uint8)
         del workspace, copy  # cuDNN's workspace and the time-major input die with the call
         ctx.batch_first = batch_first
-        ctx.save_for_backward(x, hx, cx, out, reserve)
+        # derivatives.yaml ``_cudnn_rnn`` keeps the weights too (autocast's fp16 copy lives until backward)
+        ctx.save_for_backward(x, hx, cx, out, reserve, *weights)
         ctx.n_weights = len(weights)
         ctx.weights = [(w.shape, w.dtype) for w in weights]
         return (out.transpose(0, 1) if batch_first else out), hy, cy
 
     @staticmethod
     def backward(ctx, dout, dhy, dcy):
-        x, hx, cx, _, _ = ctx.saved_tensors
+        x, hx, cx = ctx.saved_tensors[:3]
         # _cudnn_rnn_backward_input: dx, dhx (dcx); contiguous time-major copies of the output gradient and
         # (batch-first) the input, and the workspace, all freed as it returns
         dx = torch.empty_like(x)
@@ -328,12 +329,34 @@ class _CudnnRNN(torch.autograd.Function):
         return None, None, None, None, None, dx, dhx, dcx, *grads
 
 
+def _autocast_rnn_inputs(x, hx, cx, weights):
+    """What CUDA autocast hands ``_cudnn_rnn`` (aten/src/ATen/cudnn/AutocastRNN.cpp
+    ``_cudnn_rnn_cast_reflatten``, registered for the Autocast key): fp16 whatever autocast's dtype (bf16
+    included): the input and hidden state cast (``cached_cast(at::kHalf, ...)``), and the weights copied
+    into one new fp16 flat buffer whose views cuDNN takes (``copy_weights_to_flat_buf_views`` with
+    ``allow_type_change``, autograd-exposed: the buffer is kept for backward and the weights' gradients are
+    cast back to their dtype). The trace's CPU autocast would have run the RNN in fp32."""
+    half = torch.float16
+    total = sum(w.numel() for w in weights)
+    flat = weights[0].new_empty((total,), dtype=half)
+    at = 0
+    for w in weights:
+        flat[at : at + w.numel()].copy_(w.reshape(-1))
+        at += w.numel()
+    views, at = [], 0
+    for w in weights:
+        views.append(flat[at : at + w.numel()].view(w.shape))
+        at += w.numel()
+    return x.to(half), hx.to(half), None if cx is None else cx.to(half), views
+
+
 def _rnn(name: str, args: tuple, kwargs: dict):
     """``_VF.gru`` / ``_VF.lstm`` as CUDA runs them: ``_cudnn_rnn`` whenever cuDNN takes the input
-    (``cudnn_is_acceptable``: float, half or double; the default), with what it keeps (``_CudnnRNN``).
-    Packed sequences and LSTM projections keep the traced CPU path."""
-    if kwargs or len(args) != 9 or not isinstance(args[2], (list, tuple)):
-        return None  # the packed-sequence signature (input, batch_sizes, hx, ...)
+    (``cudnn_is_acceptable``: float, half or double; the default), with what it keeps (``_CudnnRNN``);
+    under autocast in fp16 (``_autocast_rnn_inputs``). Packed sequences and LSTM projections keep the
+    traced CPU path."""
+    if kwargs or len(args) != 9 or not isinstance(args[3], bool):
+        return None  # the packed-sequence signature (input, batch_sizes, hx, params, has_biases, ...)
     x, hx, weights, bias, layers, dropout, train, bidirectional, batch_first = args
     cx = None
     if name == "lstm":
@@ -343,6 +366,8 @@ def _rnn(name: str, args: tuple, kwargs: dict):
     if x.dtype not in (torch.float32, torch.float16, torch.float64, torch.bfloat16) or x.dim() != 3:
         return None
     hidden = hx.shape[-1]
+    if torch.is_autocast_enabled("cpu") and x.dtype in (torch.float32, torch.bfloat16):
+        x, hx, cx, weights = _autocast_rnn_inputs(x, hx, cx, weights)
     out, hy, cy = _CudnnRNN.apply(name, hidden, layers, bidirectional, batch_first, x, hx, cx, *weights)
     return (out, hy) if cx is None else (out, hy, cy)
 
