@@ -206,7 +206,7 @@ class ConvLSTM(nn.Module):
 
 
 def _tagger(kind: str, batch: int, steps: int, hidden: int, layers: int = 1, bidirectional: bool = False,
-            embed: int = 128) -> TrainStep:  # fmt: skip
+            embed: int = 128, amp=None) -> TrainStep:  # fmt: skip
     vocab, tags = 10000, 20
 
     def make(d):
@@ -220,7 +220,7 @@ def _tagger(kind: str, batch: int, steps: int, hidden: int, layers: int = 1, bid
     def build():
         return Tagger(kind, vocab, embed, hidden, layers, bidirectional, tags)
 
-    return TrainStep(build, make, loss, default_optimizer, None)
+    return TrainStep(build, make, loss, default_optimizer, amp)
 
 
 def _conv_lstm(
@@ -267,6 +267,8 @@ def checks() -> list[Model]:
         Model("conv-bilstm-4x100", "4x100 frames of 80, conv front end, 2-layer bidirectional LSTM 256->256",
               lambda: _conv_lstm(4, 100, 256, layers=2, bidirectional=True)),
         Model("gru-tagger-8x50", "8x50 ids, GRU 128->128", lambda: _tagger("gru", 8, 50, 128)),
+        Model("bilstm-tagger-16x200-bf16", "16x200 ids, bidirectional LSTM 128->512, bf16 autocast",
+              lambda: _tagger("lstm", 16, 200, 512, bidirectional=True, amp=BF16)),
         Model("lstm-tagger-64x400", "64x400 ids, 2-layer bidirectional LSTM 300->512",
               lambda: _tagger("lstm", 64, 400, 512, layers=2, bidirectional=True, embed=300)),
         Model("gru-tagger-16x1000", "16x1000 ids, 3-layer GRU 128->1024",
