@@ -647,7 +647,12 @@ class CudaLibraries:
                 "cuDNN convolution workspaces not modelled (cuDNN's heuristics pick each at run time): "
                 f"up to {bound / MiB:.1f} MiB more, one call's at a time ({CONV_WORKSPACE_BOUND}x the "
                 "largest call's input, weight and output; ResNet-50's calls measured 0-12.7 MiB on an H200, "
-                "at most 3.7x)",
+                "at most 3.7x, with torch.backends.cudnn.benchmark off"
+                + (
+                    "; it is on here: benchmark mode's trials may take more)"
+                    if torch.backends.cudnn.benchmark
+                    else ")"
+                ),
             )
         return []
 
