@@ -48,8 +48,10 @@ def test_bench_gpu_runs_every_part_at_toy_sizes(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert {"scan", "systems", "attention", "d12", "memory", "paths"} <= report.keys()
-    assert [r["variant"] for r in report["memory"]] == ["resnet50-fp32", "gru-3x512"]
-    assert all(r["estimate_gib"]["allocated"] > 0.1 for r in report["memory"])
+    assert [r["variant"] for r in report["memory"]] == [
+        "resnet50-fp32", "gru-3x512", "gru-tagger-4x100", "llama-fp32-gqa-2x256"
+    ]  # fmt: skip
+    assert all(r["estimate_gib"]["allocated"] > 0.05 for r in report["memory"])
     impls = {row["impl"] for row in report["scan"]}
     assert {"memfit torch-op chunked", "parallel scan (materialising)", "SSD reference (Mamba-2)"} <= impls
     assert {row["system"] for row in report["systems"]} == {"ginr-cifar", "gpt2-window", "mbsnet-speech",

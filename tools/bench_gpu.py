@@ -21,9 +21,12 @@ what it measured):
     window 64;
 (d) the implementation each call site took (``memfit.ops.registry.ran()``) and the window attention
     candidate tuned for each shape;
-(e) `memfit estimate --device cuda` against this GPU (tools/gpu_memory_set.py): sixteen third-party steps
-    and every budget row of the four systems, naive baselines included, each from an empty allocator:
-    allocated peak, reserved peak and card total, estimated and measured.
+(e) `memfit estimate --device cuda` against this GPU (tools/gpu_memory_set.py): sixteen third-party steps,
+    recurrent steps (GRU/LSTM taggers and a conv + LSTM model, batch 4 x about 100 steps at hidden 256 up
+    to 3 layers x hidden 1024 x 1000 steps) and fp32 LLaMA-style decoders (with and without grouped
+    key/value heads, 2 x 256 to 4 x 512 tokens), and every budget row of the four systems, naive baselines
+    included, each from an empty allocator: allocated peak, reserved peak and card total, estimated and
+    measured.
 
 Timings are CUDA-event medians after warm-up (Triton compiles, Flex compiles); every figure names the GPU.
 ``--smoke`` runs every part at toy sizes on the CPU (the test suite's check that this script runs).
@@ -435,7 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         import gpu_memory_set  # tools/, beside this script
 
         if args.smoke:
-            report["memory"] = gpu_memory_set.smoke(["resnet50-fp32", "gru-3x512"])
+            report["memory"] = gpu_memory_set.smoke(
+                ["resnet50-fp32", "gru-3x512", "gru-tagger-4x100", "llama-fp32-gqa-2x256"]
+            )
         else:
             from memfit.estimate.measure import format_rows
 

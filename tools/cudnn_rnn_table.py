@@ -8,7 +8,10 @@ hidden, input) this prints the least-squares line ``a + b * T * B`` (bytes) of t
 less the batch-first input's time-major copy (which the estimate makes itself): cuDNN's workspace, the
 size cudnnGetRNNTempSpaceSizes gives for training, which the backward's two calls ask for again. It is
 printed as the Python literal `CUDNN_RNN_WORKSPACE` is written; packages/core/tests/test_cuda_memory.py
-checks that the two agree, so the table can be regenerated and never drifts from the readings.
+checks that the two agree, so the table can be regenerated and never drifts from the readings. The rule
+(`cudnn_rnn_workspace_bytes`) reads each line as cuDNN's terms: its constant is 8 MiB per layer and
+direction plus the weight matrices' bytes (within 1.1 MiB on every line), computed exactly for any shape;
+only the small rest and the slope are interpolated between the lines.
 
     uv run python tools/cudnn_rnn_table.py
 """

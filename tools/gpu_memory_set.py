@@ -1,5 +1,6 @@
-"""`memfit estimate --device cuda` against a real GPU, on sixteen third-party training steps at GPU sizes
-and on every budget row of the four systems (naive baselines included).
+"""`memfit estimate --device cuda` against a real GPU, on sixteen third-party training steps at GPU sizes,
+recurrent and fp32-LLaMA steps at several shapes (``checks``), and every budget row of the four systems
+(naive baselines included).
 
 On a machine with a GPU, each step is estimated for that GPU (memfit.estimate.measure.estimate_for) and run
 for real from an empty allocator (measure_step: 3 steps): allocated peak, reserved peak and card total,
@@ -10,6 +11,7 @@ downloaded), optimised with fused AdamW, each loss as its library computes it.
     uv run python tools/gpu_memory_set.py                 # on a GPU: the set and the budget rows
     uv run python tools/gpu_memory_set.py --only gru,resnet50-fp32 --no_budgets
     uv run python tools/gpu_memory_set.py --smoke         # CPU: estimates two entries (checks it runs)
+    uv run python tools/gpu_memory_set.py --smoke --only gru-tagger-4x100,llama-fp32-gqa-2x256
 """
 
 from __future__ import annotations
@@ -168,6 +170,122 @@ def _rnn(kind: str, batch: int, frames: int, bidirectional: bool = False) -> Tra
     return TrainStep(build, make, loss, default_optimizer, None)
 
 
+class Tagger(nn.Module):
+    """A recurrent sequence tagger: token embeddings -> GRU/LSTM -> per-token tags (cuDNN's RNN on a GPU)."""
+
+    def __init__(
+        self, kind: str, vocab: int, embed: int, hidden: int, layers: int, bidirectional: bool, tags: int
+    ):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, embed)
+        rnn = {"gru": nn.GRU, "lstm": nn.LSTM}[kind]
+        self.rnn = rnn(embed, hidden, layers, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(hidden * (2 if bidirectional else 1), tags)
+
+    def forward(self, ids):
+        return self.head(self.rnn(self.embed(ids))[0])
+
+
+class ConvLSTM(nn.Module):
+    """A mixed model: a 1-D convolutional front end over feature frames, an LSTM, per-frame classes."""
+
+    def __init__(
+        self, features: int, channels: int, hidden: int, layers: int, bidirectional: bool, classes: int
+    ):
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Conv1d(features, channels, 5, padding=2),
+            nn.ReLU(),
+            nn.Conv1d(channels, channels, 5, padding=2),
+        )
+        self.rnn = nn.LSTM(channels, hidden, layers, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(hidden * (2 if bidirectional else 1), classes)
+
+    def forward(self, x):  # (B, T, features)
+        return self.head(self.rnn(self.conv(x.transpose(1, 2)).transpose(1, 2))[0])
+
+
+def _tagger(kind: str, batch: int, steps: int, hidden: int, layers: int = 1, bidirectional: bool = False,
+            embed: int = 128, amp=None) -> TrainStep:  # fmt: skip
+    vocab, tags = 10000, 20
+
+    def make(d):
+        return torch.randint(0, vocab, (batch, steps), device=d), torch.randint(
+            0, tags, (batch, steps), device=d
+        )
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())
+
+    def build():
+        return Tagger(kind, vocab, embed, hidden, layers, bidirectional, tags)
+
+    return TrainStep(build, make, loss, default_optimizer, amp)
+
+
+def _conv_lstm(
+    batch: int, frames: int, hidden: int, layers: int = 1, bidirectional: bool = False
+) -> TrainStep:
+    features, classes = 80, 40
+
+    def make(d):
+        return torch.randn(batch, frames, features, device=d), torch.randint(
+            0, classes, (batch, frames), device=d
+        )
+
+    def loss(m, b):
+        return F.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten())
+
+    def build():
+        return ConvLSTM(features, 256, hidden, layers, bidirectional, classes)
+
+    return TrainStep(build, make, loss, default_optimizer, None)
+
+
+def _llama(batch: int, seq: int, hidden: int, layers: int, heads: int, kv_heads: int) -> TrainStep:
+    """A LLaMA-style decoder in fp32 (no autocast), random weights, vocab 32000; ``kv_heads < heads`` is
+    grouped-query attention (SDPA's math path in fp32 on torch 2.11)."""
+    build = _hf("LlamaForCausalLM", "LlamaConfig", vocab_size=32000, hidden_size=hidden,
+                intermediate_size=hidden * 8 // 3 // 64 * 64, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads,
+                max_position_embeddings=max(2048, seq))  # fmt: skip
+    return _causal_lm(build, batch, seq, 32000)
+
+
+def checks() -> list[Model]:
+    """Recurrent and fp32-LLaMA steps at several shapes, beside the set: cuDNN RNNs at small shapes (batch 4,
+    about 100 steps, hidden 256: the small end of the RNN workspace table, between its measured hidden
+    sizes) and at large ones (outside the table: hidden 1024, 3 layers, long sequences), and LLaMA-style
+    decoders in fp32 with and without grouped key/value heads, at several batch x length."""
+    return [
+        Model("gru-tagger-4x100", "4x100 ids, GRU 128->256", lambda: _tagger("gru", 4, 100, 256)),
+        Model("bigru-tagger-4x100", "4x100 ids, 2-layer bidirectional GRU 128->256",
+              lambda: _tagger("gru", 4, 100, 256, layers=2, bidirectional=True)),
+        Model("lstm-tagger-4x120", "4x120 ids, LSTM 128->256", lambda: _tagger("lstm", 4, 120, 256)),
+        Model("conv-lstm-4x100", "4x100 frames of 80, conv front end, LSTM 256->256",
+              lambda: _conv_lstm(4, 100, 256)),
+        Model("conv-bilstm-4x100", "4x100 frames of 80, conv front end, 2-layer bidirectional LSTM 256->256",
+              lambda: _conv_lstm(4, 100, 256, layers=2, bidirectional=True)),
+        Model("gru-tagger-8x50", "8x50 ids, GRU 128->128", lambda: _tagger("gru", 8, 50, 128)),
+        Model("bilstm-tagger-16x200-bf16", "16x200 ids, bidirectional LSTM 128->512, bf16 autocast",
+              lambda: _tagger("lstm", 16, 200, 512, bidirectional=True, amp=BF16)),
+        Model("lstm-tagger-64x400", "64x400 ids, 2-layer bidirectional LSTM 300->512",
+              lambda: _tagger("lstm", 64, 400, 512, layers=2, bidirectional=True, embed=300)),
+        Model("gru-tagger-16x1000", "16x1000 ids, 3-layer GRU 128->1024",
+              lambda: _tagger("gru", 16, 1000, 1024, layers=3)),
+        Model("llama-fp32-gqa-2x256", "2x256 ids, fp32, hidden 1024, 8 layers, 16 heads / 4 kv",
+              lambda: _llama(2, 256, 1024, 8, 16, 4)),
+        Model("llama-fp32-2x256", "2x256 ids, fp32, hidden 1024, 8 layers, 16 heads",
+              lambda: _llama(2, 256, 1024, 8, 16, 16)),
+        Model("llama-fp32-gqa-small-2x256", "2x256 ids, fp32, hidden 768, 12 layers, 12 heads / 4 kv",
+              lambda: _llama(2, 256, 768, 12, 12, 4)),
+        Model("llama-fp32-gqa-4x512", "4x512 ids, fp32, hidden 1024, 8 layers, 16 heads / 4 kv",
+              lambda: _llama(4, 512, 1024, 8, 16, 4)),
+        Model("llama-fp32-gqa-1x1024", "1x1024 ids, fp32, hidden 2048, 4 layers, 32 heads / 8 kv",
+              lambda: _llama(1, 1024, 2048, 4, 32, 8)),
+    ]  # fmt: skip
+
+
 def _wav2vec2(batch: int, samples: int) -> TrainStep:
     # LayerDrop draws a random number per layer and branches on it: off, as a fake trace cannot follow it
     build = _hf("Wav2Vec2ForCTC", "Wav2Vec2Config", vocab_size=32, layerdrop=0.0, mask_time_prob=0.0)
@@ -225,7 +343,7 @@ def smoke(names: list[str]) -> list[dict]:
     from memfit.estimate.memory import estimate_training_step
 
     rows = []
-    for m in models():
+    for m in models() + checks():
         if m.variant in names:
             with workspaces.assume_card(workspaces.card("h200")):
                 report = estimate_training_step(m.step, device="cuda")
@@ -235,11 +353,14 @@ def smoke(names: list[str]) -> list[dict]:
 
 
 def run(only: list[str] | None = None, budgets: bool = True, steps: int = 3) -> list[dict]:
-    """Estimate and measure on this GPU: the third-party set (``only`` those named) then the budget rows."""
+    """Estimate and measure on this GPU: the third-party set, the recurrent and fp32-LLaMA checks (``only``
+    those named) then the budget rows."""
     from memfit.estimate.measure import compare_budgets
 
-    chosen = [m for m in models() if not only or m.variant in only]
-    groups: dict = {"third-party": chosen}
+    groups: dict = {
+        "third-party": [m for m in models() if not only or m.variant in only],
+        "checks": [m for m in checks() if not only or m.variant in only],
+    }
     if budgets:
         groups |= budget_rows()
     rows = []
@@ -278,13 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     only = [s for s in args.only.split(",") if s]
-    unknown = set(only) - {m.variant for m in models()}
+    unknown = set(only) - {m.variant for m in models() + checks()}
     if unknown:
         from memfit.errors import UsageError
 
         raise UsageError(
             f"error: --only names {sorted(unknown)}, not in the set; choose from "
-            + ", ".join(m.variant for m in models())
+            + ", ".join(m.variant for m in models() + checks())
         )
     start = time.perf_counter()
     if args.smoke:

@@ -157,6 +157,67 @@ def test_cuda_target_keeps_no_attention_scores(amp):
     assert all(r[0] % kernels.CUDA_BLOCK == 0 for r in cuda.records)  # the caching allocator's blocks
 
 
+class _GroupedAttention(nn.Module):
+    """LLaMA-style grouped-query attention (8 query heads, 2 key/value heads), causal, no mask: what
+    transformers' sdpa_attention_forward hands SDPA (``enable_gqa=True``)."""
+
+    def __init__(self, dim=64, heads=8, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.d = heads, kv_heads, dim // heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.d, bias=False)
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q = self.q(x).view(B, L, self.heads, self.d).transpose(1, 2)
+        k, v = self.kv(x).view(B, L, 2, self.kv_heads, self.d).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return y.transpose(1, 2).reshape(B, L, -1)
+
+
+class _Saved:
+    """(shape, dtype) of every tensor autograd saves inside the block, sorted."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __enter__(self):
+        def pack(t):
+            self.seen.append((tuple(t.shape), t.dtype))
+            return t
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        self.seen.sort(key=str)
+
+
+def test_fp32_grouped_query_attention_takes_the_math_path_with_its_probabilities():
+    """CUDA in torch 2.11 runs SDPA with fp32 and enable_gqa on the math backend (flash and cuDNN take
+    fp16/bf16 only; memory-efficient attention rejects differing head counts): it keeps the (L, S)
+    probabilities and the key/value repeated to every query head. The fake CPU tensors would take the CPU
+    flash kernel (which takes fp32 and grouped heads) and keep neither: a fp32 LLaMA step read low on the
+    H200. The CUDA target's saved tensors equal a real run of the math backend on the CPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    block, x = _GroupedAttention(), torch.randn(2, 128, 64)
+    q = torch.randn(2, 8, 128, 8)
+    assert kernels.sdpa_backend(q, q[:, :2], q[:, :2], None, True) == "math"
+    with sdpa_kernel(SDPBackend.MATH), _Saved() as math_path:
+        block(x).sum().backward()
+    with _Saved() as cpu_default:
+        block(x).sum().backward()
+    with FakeTensorMode(allow_non_fake_inputs=True), kernels.CudaRules(), _Saved() as cuda_target:
+        block(x).sum().backward()
+    probabilities = ((2, 8, 128, 128), torch.float32)
+    assert probabilities in math_path.seen and probabilities not in cpu_default.seen
+    assert cuda_target.seen == math_path.seen
+
+
 OPS = {
     "layer_norm": lambda x: F.layer_norm(x, x.shape[-1:]),
     "group_norm": lambda x: F.group_norm(x.view(4, 8, 8), 2),

@@ -992,7 +992,7 @@ def estimate_training_step(
         tracker.cuda_target(workspaces.CudaLibraries(card))
     rules = kernels.cuda_rules() if cuda else contextlib.nullcontext()
     before = registry.traced()
-    with fake_mode(), _old_objects_frozen(), rules:
+    with fake_mode(), _old_objects_frozen(), rules, workspaces.noting() as notes:
         report = _tracked_steps(
             step, steps, fake=True, device=torch.device("cpu"), tracker=tracker, prime=prime
         )
@@ -1003,6 +1003,7 @@ def estimate_training_step(
         extra = f", CUDA{' kernels ' + used if used else ''}, {card.describe()}"
         assert tracker.events is not None and tracker.libraries is not None
         figs = cuda_memory.figures(tracker.events, card, tracker.libraries.summary(), report.peak_bytes)
+        figs.notes += notes.values()  # what the trace left out or extrapolated (cuDNN's workspaces)
         tracker.events = None  # the entries it holds are no longer needed
         report.cuda = figs
         report.peak_bytes = figs.allocated

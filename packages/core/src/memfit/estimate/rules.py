@@ -13,7 +13,11 @@ make that differ from a real run:
 
   - ``F.scaled_dot_product_attention`` takes the backend CUDA's dispatcher would pick (``sdpa_backend``):
     flash attention (fp16/bf16, no explicit mask, head dim <= 256), else memory-efficient attention
-    (fp16/bf16/fp32, masks allowed, head dim a multiple of 8, or 4 in fp32), else the math path. The fused
+    (fp16/bf16/fp32, masks allowed, head dim a multiple of 8, or 4 in fp32, as many key/value heads as
+    query heads), else the math path. The math path runs as ``_scaled_dot_product_attention_math``
+    (the same composite on every device) with only the math backend allowed: left to itself, SDPA on the
+    fake CPU tensors would take the CPU flash kernel, which takes fp32 and grouped heads and keeps no
+    probabilities (a fp32 LLaMA with grouped key/value heads read low against the H200). The fused
     kernels are called directly (``aten._scaled_dot_product_flash_attention`` /
     ``_scaled_dot_product_efficient_attention``), so autograd saves what they return: the output, the fp32
     log-sum-exp (batch, heads, queries; padded to a multiple of 32 queries for memory-efficient attention)
@@ -37,9 +41,12 @@ make that differ from a real run:
     a GPU run then takes (``memfit.ops.scan``'s chunked scan holds several (batch, chunk, N, dim) buffers:
     mbsnet-speech's chunked-200f step needs 1.01 GiB instead of 0.43).
 
-  Not modelled (the margin, ``memfit.estimate.fit.MARGIN``, covers them): cuDNN's convolution workspaces,
-  kernels' internal temporaries (embedding backward's sort), and cuDNN's RNN reserve and workspaces (the
-  oneDNN workspace, which stores the same per-step gates and states, stands in for the reserve).
+  - ``nn.GRU`` / ``nn.LSTM`` run ``_cudnn_rnn`` (``_CudnnRNN``): cuDNN's reserve and workspace
+    (``memfit.estimate.workspaces``) with the calls' contiguous copies.
+
+  Not modelled (the margin, ``memfit.estimate.fit.MARGIN``, covers them): cuDNN's convolution workspaces
+  (bounded in the report's notes), kernels' internal temporaries (embedding backward's sort), the math
+  path's dropout inside SDPA (the CPU's noise tensor stands in for CUDA's bool mask).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
 from memfit.estimate import workspaces
@@ -135,7 +143,14 @@ def cuda_block_bytes(nbytes: int) -> int:
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, enable_gqa: bool) -> str:
     """The backend PyTorch's CUDA dispatcher picks for these (post-autocast) inputs on an sm80+ GPU:
-    "flash", "efficient" or "math" (PyTorch's sdp_utils: flash first, then memory-efficient)."""
+    "flash", "efficient" or "math" (PyTorch's sdp_utils: flash first, then memory-efficient).
+
+    Grouped heads (``enable_gqa``, fewer key/value heads than query heads): in torch 2.11 only flash (and
+    cuDNN attention, fp16/bf16 too) accept them; memory-efficient attention checks
+    ``check_batch_size_and_num_heads_dense`` without GQA support, so fp32 with grouped heads takes the
+    math path, which repeats the keys and values to every head (``repeat_interleave``) and keeps the
+    (L, S) fp32 probabilities for backward. Native GQA in memory-efficient attention came after 2.11
+    (pytorch/pytorch#191085)."""
     half = q.dtype in (torch.float16, torch.bfloat16)
     same_dtype = q.dtype == k.dtype == v.dtype
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -173,9 +188,13 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
             return torch.ops.aten._scaled_dot_product_efficient_attention(
                 query, key, value, attn_mask, need_grad, dropout_p, is_causal, scale=scale
             )[0]
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-        )
+        # the math path, as CUDA runs it: the fake tensors are CPU tensors, whose dispatcher would pick the
+        # CPU flash kernel (fp32 included, grouped heads included), which keeps no scores; only the math
+        # backend allowed, the same composite (``_scaled_dot_product_attention_math``) runs here
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            )
 
 
 # CUDA autocast's fp32 ops (aten/src/ATen/autocast_mode.cpp, KERNEL_CUDA ... fp32 and fp32_set_opt_dtype),
@@ -268,18 +287,23 @@ class _CudnnRNN(torch.autograd.Function):
         ctx.workspace = workspaces.cudnn_rnn_workspace_bytes(
             mode, x.shape[-1], hidden, T, B, layers, bidirectional
         )
+        shape = (mode, x.shape[-1], hidden, T, B, layers, bidirectional)
+        outside = workspaces.rnn_workspace_note(*shape, x.dtype)
+        if outside:
+            workspaces.note(f"rnn {shape}", outside)
         workspace = x.new_empty((ctx.workspace,), dtype=torch.uint8)  # before the reserve, as RNN.cpp
         reserve = x.new_empty((nbytes,), dtype=torch.uint8)
         del workspace, copy  # cuDNN's workspace and the time-major input die with the call
         ctx.batch_first = batch_first
-        ctx.save_for_backward(x, hx, cx, out, reserve)
+        # derivatives.yaml ``_cudnn_rnn`` keeps the weights too (autocast's fp16 copy lives until backward)
+        ctx.save_for_backward(x, hx, cx, out, reserve, *weights)
         ctx.n_weights = len(weights)
         ctx.weights = [(w.shape, w.dtype) for w in weights]
         return (out.transpose(0, 1) if batch_first else out), hy, cy
 
     @staticmethod
     def backward(ctx, dout, dhy, dcy):
-        x, hx, cx, _, _ = ctx.saved_tensors
+        x, hx, cx = ctx.saved_tensors[:3]
         # _cudnn_rnn_backward_input: dx, dhx (dcx); contiguous time-major copies of the output gradient and
         # (batch-first) the input, and the workspace, all freed as it returns
         dx = torch.empty_like(x)
@@ -305,12 +329,34 @@ class _CudnnRNN(torch.autograd.Function):
         return None, None, None, None, None, dx, dhx, dcx, *grads
 
 
+def _autocast_rnn_inputs(x, hx, cx, weights):
+    """What CUDA autocast hands ``_cudnn_rnn`` (aten/src/ATen/cudnn/AutocastRNN.cpp
+    ``_cudnn_rnn_cast_reflatten``, registered for the Autocast key): fp16 whatever autocast's dtype (bf16
+    included): the input and hidden state cast (``cached_cast(at::kHalf, ...)``), and the weights copied
+    into one new fp16 flat buffer whose views cuDNN takes (``copy_weights_to_flat_buf_views`` with
+    ``allow_type_change``, autograd-exposed: the buffer is kept for backward and the weights' gradients are
+    cast back to their dtype). The trace's CPU autocast would have run the RNN in fp32."""
+    half = torch.float16
+    total = sum(w.numel() for w in weights)
+    flat = weights[0].new_empty((total,), dtype=half)
+    at = 0
+    for w in weights:
+        flat[at : at + w.numel()].copy_(w.reshape(-1))
+        at += w.numel()
+    views, at = [], 0
+    for w in weights:
+        views.append(flat[at : at + w.numel()].view(w.shape))
+        at += w.numel()
+    return x.to(half), hx.to(half), None if cx is None else cx.to(half), views
+
+
 def _rnn(name: str, args: tuple, kwargs: dict):
     """``_VF.gru`` / ``_VF.lstm`` as CUDA runs them: ``_cudnn_rnn`` whenever cuDNN takes the input
-    (``cudnn_is_acceptable``: float, half or double; the default), with what it keeps (``_CudnnRNN``).
-    Packed sequences and LSTM projections keep the traced CPU path."""
-    if kwargs or len(args) != 9 or not isinstance(args[2], (list, tuple)):
-        return None  # the packed-sequence signature (input, batch_sizes, hx, ...)
+    (``cudnn_is_acceptable``: float, half or double; the default), with what it keeps (``_CudnnRNN``);
+    under autocast in fp16 (``_autocast_rnn_inputs``). Packed sequences and LSTM projections keep the
+    traced CPU path."""
+    if kwargs or len(args) != 9 or not isinstance(args[3], bool):
+        return None  # the packed-sequence signature (input, batch_sizes, hx, params, has_biases, ...)
     x, hx, weights, bias, layers, dropout, train, bidirectional, batch_first = args
     cx = None
     if name == "lstm":
@@ -320,6 +366,8 @@ def _rnn(name: str, args: tuple, kwargs: dict):
     if x.dtype not in (torch.float32, torch.float16, torch.float64, torch.bfloat16) or x.dim() != 3:
         return None
     hidden = hx.shape[-1]
+    if torch.is_autocast_enabled("cpu") and x.dtype in (torch.float32, torch.bfloat16):
+        x, hx, cx, weights = _autocast_rnn_inputs(x, hx, cx, weights)
     out, hy, cy = _CudnnRNN.apply(name, hidden, layers, bidirectional, batch_first, x, hx, cx, *weights)
     return (out, hy) if cx is None else (out, hy, cy)
 

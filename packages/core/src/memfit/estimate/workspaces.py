@@ -22,11 +22,15 @@ Modelled:
   work area, 0 for the transform sizes measured (n <= 8192) and one complex signal above;
 * **the CUDA context**: a measured constant per card (``Card.context_bytes``), outside the allocator.
 
+* **cuDNN's RNN reserve and workspace**: the reserve by a formula exact on 192 recorded shapes, the
+  workspace by a table measured on 128 shapes read as cuDNN's terms (8 MiB per layer and direction, the
+  weights, a per-(T * B) slope); a shape outside the measured ones says so in the report's notes.
+
 Not modelled, because no source decides them and a fake trace cannot ask the library (see
 docs/your-own-model.md, "GPU accuracy"): cuDNN's convolution workspaces (chosen by cuDNN's heuristics at
-run time; measured up to 12.7 MiB per call on ResNet-50), cuDNN's RNN workspaces (12-259 MiB measured over
-128 shapes, no formula), flash and memory-efficient attention's internal temporaries, the context's growth
-as kernels load lazily (+110-240 MiB measured after a few steps).
+run time; measured up to 12.7 MiB per call on ResNet-50; the report's notes bound them for the step),
+flash and memory-efficient attention's internal temporaries, the context's growth as kernels load lazily
+(+110-240 MiB measured after a few steps).
 """
 
 from __future__ import annotations
@@ -375,47 +379,172 @@ CUDNN_RNN_WORKSPACE: dict[tuple, tuple[int, int]] = {
 }
 
 
+#: what cuDNN's RNN workspace takes per layer and direction whatever the shape: the constant of every line in
+#: ``CUDNN_RNN_WORKSPACE`` is this times layers x directions plus the weight matrices' bytes
+#: (``cudnn_rnn_weight_bytes``), to within 1.1 MiB on all 32 lines (the rest: allocator blocks, a small
+#: per-batch-row term)
+CUDNN_RNN_PER_LAYER = 8 * MiB
+_GATES = {"gru": 3, "lstm": 4, "rnn_tanh": 1, "rnn_relu": 1}
+#: the shapes the table was measured at; outside them the workspace is extrapolated and says so
+CUDNN_RNN_MEASURED = {"hidden": (128, 512), "input": (64, 256), "batch": (8, 32), "seq": (50, 200),
+                      "layers": (1, 2)}  # fmt: skip
+TB_MEASURED = 200 * 32  # the largest T * B measured
+
+
+def cudnn_rnn_weight_bytes(
+    mode: str, input_size: int, hidden: int, layers: int, bidirectional: bool = False, itemsize: int = 4
+) -> int:
+    """Bytes of an RNN's weight matrices (no biases): gates x hidden x (layer input + hidden) per layer
+    and direction, the first layer's input ``input_size``, the others' ``directions * hidden``."""
+    dirs = 2 if bidirectional else 1
+    total = 0
+    for layer in range(layers):
+        inp = input_size if layer == 0 else dirs * hidden
+        total += dirs * _GATES[mode] * hidden * (inp + hidden) * itemsize
+    return total
+
+
+def _rnn_terms(mode: str, dirs: int, layers: int, hidden: int, inp: int) -> tuple[float, float]:
+    """(residual constant, per-(T * B) bytes beyond 4 * input) of one table line: the line's constant less
+    ``CUDNN_RNN_PER_LAYER`` x layers x directions and the weights; its slope less one fp32 input row."""
+    a, b = CUDNN_RNN_WORKSPACE[(mode, dirs, layers, hidden, inp)]
+    fixed = CUDNN_RNN_PER_LAYER * layers * dirs + cudnn_rnn_weight_bytes(mode, inp, hidden, layers, dirs == 2)
+    return a - fixed, b - 4 * inp
+
+
 def cudnn_rnn_workspace_bytes(
     mode: str, input_size: int, hidden: int, seq: int, batch: int, layers: int, bidirectional: bool = False
 ) -> int:
     """Bytes of cuDNN's RNN workspace for a training call (the forward and each of the backward's two),
-    from the measured table ``CUDNN_RNN_WORKSPACE`` (H200, cuDNN 9.19.0).
+    from the measured table ``CUDNN_RNN_WORKSPACE`` (H200, cuDNN 9.19.0, fp32) read as cuDNN's terms:
 
-    Between the recorded sizes a line's a and b are interpolated linearly in log2(hidden) and log2(input);
-    outside them hidden and input take the nearest recorded size. Two layers never take less than one (the
-    two-layer lines have the smaller per-(T * B) slope in some configurations, which only matters far past
-    the readings); layers beyond the recorded 2 add the constant the second layer added and keep the larger
-    slope.
-    Other GPUs, cuDNN versions and half-precision RNNs were not measured: the H200's fp32 readings stand
-    in."""
+        8 MiB x layers x directions + the weight matrices' bytes + r + (4 * input + beta) * T * B
+
+    The first two are what every line's constant is made of (``CUDNN_RNN_PER_LAYER``): exact for any
+    shape, so hidden and input sizes between and beyond the measured ones no longer interpolate a constant
+    that grows with hidden squared (the table read linearly in log2(hidden) put hidden 256 up to 10 MiB
+    high per call for two bidirectional layers, the whole gap at small T * B). ``4 * input`` per (T * B)
+    is the slope's part that follows the input size (the LSTM lines from input 64 to 256 add 600-900
+    bytes per (T * B), 4 x 192 = 768, at every hidden size; the rest of that difference, large for
+    bidirectional GRUs at hidden 128, stays in the interpolated beta).
+    ``r`` (under 1.1 MiB) is interpolated in log2(hidden) and log2(input), ``beta`` (the per-(T * B)
+    rest, 8-29 KiB: flat in hidden for one direction, about 35 bytes per hidden unit more for two) in
+    log2(input) and linearly in hidden, both from the lines of the same mode and directions (one layer, or
+    two for two or more; past the measured T * B never a smaller slope than one layer's). Outside the
+    measured hidden sizes beta follows its slope between them (never down) and r the nearest measured
+    size. ``rnn_workspace_note`` says when a shape
+    is outside the measured ones. Other GPUs, cuDNN versions and half-precision RNNs were not measured:
+    the H200's fp32 readings stand in."""
     table_mode = mode if mode in ("gru", "lstm") else "gru"
     dirs = 2 if bidirectional else 1
+    tl = min(max(layers, 1), 2)
 
     def weight(x: float, lo: float, hi: float) -> float:
         return max(0.0, min(1.0, (x - lo) / (hi - lo)))
 
     th = weight(math.log2(max(hidden, 1)), 7, 9)
     ti = weight(math.log2(max(input_size, 1)), 6, 8)
+    r = 0.0
+    for h, wh in ((128, 1 - th), (512, th)):
+        for i, wi in ((64, 1 - ti), (256, ti)):
+            r += wh * wi * _rnn_terms(table_mode, dirs, tl, h, i)[0]
 
-    def line(layers_: int) -> tuple[float, float]:
-        a = b = 0.0
-        for h, wh in ((128, 1 - th), (512, th)):
-            for i, wi in ((64, 1 - ti), (256, ti)):
-                la, lb = CUDNN_RNN_WORKSPACE[(table_mode, dirs, layers_, h, i)]
-                a += wh * wi * la
-                b += wh * wi * lb
-        return a, b
+    def beta(layers_: int, h: int) -> float:  # between the two input sizes, as r is
+        return sum(wi * _rnn_terms(table_mode, dirs, layers_, h, i)[1] for i, wi in ((64, 1 - ti), (256, ti)))
 
-    (a1, b1), (a2, b2) = line(1), line(2)
+    def rest(layers_: int) -> float:  # linear in hidden; beyond 512 along its slope, never down
+        lo, hi = beta(layers_, 128), beta(layers_, 512)
+        slope = (hi - lo) / (512 - 128)
+        if hidden <= 128:
+            return lo
+        if hidden <= 512:
+            return lo + slope * (hidden - 128)
+        return hi + max(0.0, slope) * (hidden - 512)
+
     tb = seq * batch
-    one = a1 + b1 * tb
-    if layers <= 1:
-        size = one
-    elif layers == 2:
-        size = max(a2 + b2 * tb, one)  # the fitted line, never below one layer's (far past the readings)
-    else:
-        size = a2 + (layers - 2) * max(a2 - a1, 0.0) + max(b1, b2) * tb
-    return max(0, round(size))
+    per_tb = 4 * input_size + rest(tl)
+    # past the measured T * B, two layers' slope never below one layer's (some two-layer lines are flatter)
+    past = max(0.0, rest(1) - rest(tl)) * max(0, tb - TB_MEASURED)
+    fixed = CUDNN_RNN_PER_LAYER * layers * dirs + cudnn_rnn_weight_bytes(mode, input_size, hidden, layers,
+                                                                          bidirectional)  # fmt: skip
+    return max(0, round(fixed + r + per_tb * tb + past))
+
+
+def rnn_workspace_note(
+    mode: str, input_size: int, hidden: int, seq: int, batch: int, layers: int, bidirectional: bool, dtype
+) -> str | None:
+    """One line for the report when this RNN's shape is outside the ones the workspace table was measured
+    at (``CUDNN_RNN_MEASURED``, fp32): its size is then cuDNN's terms extrapolated, not a reading; None
+    inside."""
+    shape = {"hidden": hidden, "input": input_size, "batch": batch, "seq": seq, "layers": layers}
+    outside = [
+        f"{k} {v}" for k, v in shape.items() if not CUDNN_RNN_MEASURED[k][0] <= v <= CUDNN_RNN_MEASURED[k][1]
+    ]
+    if dtype != torch.float32:
+        outside.append(str(dtype).removeprefix("torch."))
+    if not outside:
+        return None
+    measured = ", ".join(f"{k} {lo}-{hi}" for k, (lo, hi) in CUDNN_RNN_MEASURED.items())
+    size = cudnn_rnn_workspace_bytes(mode, input_size, hidden, seq, batch, layers, bidirectional)
+    return (
+        f"cuDNN {mode.upper()} workspace {size / MiB:.1f} MiB per call (input {input_size}, hidden "
+        f"{hidden}, {layers} layer{'s' if layers > 1 else ''}{', bidirectional' if bidirectional else ''}, "
+        f"{seq} steps x batch {batch}) extrapolated: {', '.join(outside)} outside the measured shapes "
+        f"({measured}, fp32; H200, cuDNN 9.19)"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# cuDNN convolutions: not modelled, bounded in a note
+# ----------------------------------------------------------------------------------------------------
+
+#: cuDNN convolution workspaces are cuDNN's heuristics' choice at run time (with ``benchmark=False``,
+#: Conv_v8.cpp runs the first heuristic plan that executes, each with its own workspace size, allocated
+#: through the caching allocator for the call): no source gives a size, so the estimate leaves them out and
+#: its report bounds them. Measured (H200, cuDNN 9.19.0, ResNet-50 at batch 2 x 224 x 224, fp32, the
+#: recorded step's 106 convolution calls): transients of 0-12.7 MiB per call, at most 3.7 times the
+#: call's input + weight + output bytes; the bound is 4 times that, for the step's largest call, since
+#: one call's workspace is alive at a time.
+CONV_WORKSPACE_BOUND = 4
+
+
+def conv_workspace_bound(func, args: tuple) -> int:
+    """The note's bound on one ``aten.convolution`` / ``convolution_backward`` call's cuDNN workspace:
+    ``CONV_WORKSPACE_BOUND`` x (input + weight + output) bytes."""
+    if func.overloadpacket.__name__ == "convolution":
+        x, w = args[0], args[1]
+        out_bytes = 0
+    else:  # convolution_backward(grad_output, input, weight, ...)
+        x, w = args[1], args[2]
+        out_bytes = args[0].numel() * args[0].element_size()
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return 0
+    return CONV_WORKSPACE_BOUND * (x.numel() * x.element_size() + w.numel() * w.element_size() + out_bytes)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Notes: what a CUDA estimate leaves out or extrapolates, one line each in its report
+# ----------------------------------------------------------------------------------------------------
+
+_notes_var = contextvars.ContextVar[dict[str, str] | None]("memfit_cuda_notes", default=None)
+
+
+@contextlib.contextmanager
+def noting() -> Iterator[dict[str, str]]:
+    """The notes made inside (``note``), by key: a CUDA estimate's trace runs in one."""
+    notes: dict[str, str] = {}
+    token = _notes_var.set(notes)
+    try:
+        yield notes
+    finally:
+        _notes_var.reset(token)
+
+
+def note(key: str, text: str) -> None:
+    """One line for the report of the estimate being made (a later note of the same key replaces it)."""
+    notes = _notes_var.get()
+    if notes is not None:
+        notes[key] = text
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -459,6 +588,9 @@ class CudaLibraries:
         for name in ("_fft_r2c", "_fft_c2r", "_fft_c2c"):
             self._add_handler(name, self._fft)
         self._add_handler("_softmax_backward_data", self._softmax_backward)
+        for name in ("convolution", "convolution_backward"):
+            self._add_handler(name, self._conv)
+        self.conv_bound = 0
 
     def _add_handler(self, name: str, fn: Callable) -> None:
         packet = getattr(torch.ops.aten, name, None)
@@ -503,6 +635,26 @@ class CudaLibraries:
         dtype = torch.promote_types(grad.dtype, output.dtype)
         nbytes = grad.numel() * dtype.itemsize
         return [Extra(nbytes, "softmax backward's grad * output", True, "activations")] if nbytes else []
+
+    def _conv(self, func, args, kwargs, out, backward) -> list[Extra]:
+        """cuDNN's convolution workspace is not modelled (``CONV_WORKSPACE_BOUND``): the report says so,
+        with the bound for the step's largest call."""
+        bound = conv_workspace_bound(func, args)
+        if bound > self.conv_bound:
+            self.conv_bound = bound
+            note(
+                "conv",
+                "cuDNN convolution workspaces not modelled (cuDNN's heuristics pick each at run time): "
+                f"up to {bound / MiB:.1f} MiB more, one call's at a time ({CONV_WORKSPACE_BOUND}x the "
+                "largest call's input, weight and output; ResNet-50's calls measured 0-12.7 MiB on an H200, "
+                "at most 3.7x, with torch.backends.cudnn.benchmark off"
+                + (
+                    "; it is on here: benchmark mode's trials may take more)"
+                    if torch.backends.cudnn.benchmark
+                    else ")"
+                ),
+            )
+        return []
 
     def summary(self) -> dict[str, int]:
         """Bytes per kind of extra: persistent ones once each, transient ones at their largest."""
