@@ -25,9 +25,8 @@ def fake_flash(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
 
 # The registry's load specs of the CUDA kernels, and adapters from the functions above (the kernels' own
 # signatures) to the registry's calling conventions.
-SPECS = {
-    r.name: r.load for r in registry.RECORDS if r.name in ("mamba_ssm", "triton", "causal_conv1d", "flash")
-}
+KERNELS = {("scan", "mamba_ssm"), ("scan", "triton"), ("conv", "causal_conv1d"), ("attention", "flash")}
+SPECS = {r.name: r.load for r in registry.RECORDS if (r.op, r.name) in KERNELS}
 
 
 def _adapt(name, fn):

@@ -27,11 +27,13 @@ from tests.systems import ALIASES, evaluate, train
 
 SYSTEMS = sorted(ALIASES)
 GPU = ("--device", "cuda")
-# what a GPU without the cuda extra takes (memfit.ops.registry): the Triton scan, conv1d, FlexAttention
+# what a GPU without the cuda extra takes (memfit.ops.registry): the Triton scan, conv1d, and for window
+# attention whichever of the timed records the registry measured fastest
+TIMED = frozenset(r.name for r in registry.records("attention") if r.timed)
 PATHS = {
     "ginr-cifar": {"scan": {"triton"}, "conv": {"torch"}},
     "mbsnet-speech": {"scan": {"triton"}, "conv": {"torch"}},
-    "gpt2-window": {"attention": {"tuned"}},
+    "gpt2-window": {"attention": TIMED},  # the fastest of the timed window records, measured here
     "moremouse-triplane": {"attention": {"sdpa"}},
 }
 
@@ -153,7 +155,9 @@ def every_command(system: str, tmp_path, capsys, gpu, peak: str) -> tuple:
         assert all(p.is_cuda for p in model.parameters())
         assert memfit_main("plot", str(run)) == 0
     ran = {op: set(registry.ran(op)) for op in registry.OPS if registry.ran(op)}
-    assert ran == PATHS[system], ran
+    want = PATHS[system]
+    assert set(ran) == set(want) and all(ran[op] <= want[op] if want[op] is TIMED else ran[op] == want[op]
+                                         for op in ran), ran  # fmt: skip
     # a GPU run's checkpoint, loaded on the CPU: plain tensors
     state = load_checkpoint(list_checkpoints(run)[-1])
     assert state["step"] == 3

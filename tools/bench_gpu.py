@@ -308,20 +308,24 @@ def d12_part(lengths, device, warmup, repeats, smoke=False) -> list[dict]:
 
 
 def attention_fns(q, k, v, gout, windows, device) -> dict:
-    """{label: fwd+bwd}: causal SDPA, each window candidate, and memfit's attention() (tuned)."""
+    """{label: fwd+bwd}: causal SDPA, each window candidate, and memfit's attention() (timed)."""
     from memfit.ops import attention as A
+    from memfit.ops import registry
 
     def causal():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(gout)
 
     fns = {"SDPA causal": causal}
     for w in windows:
-        # on a GPU, what the tuner offers for a training key of this shape (memfit.ops.attention._candidates)
-        names = A._candidates(q, k, v, w, backward=True) if device.type == "cuda" else ["blocks"]
+        # on a GPU, what the registry times for a training key of this shape (registry.timed_candidates)
+        names = (
+            registry.timed_candidates("attention", q, k, v, w, None) if device.type == "cuda" else ["blocks"]
+        )
         for name in names:
+            fn = registry.resolve(registry.record_of("attention", name).load)
 
-            def cand(name=name, w=w):
-                A.CUDA_WINDOW_CANDIDATES[name](q, k, v, w, None).backward(gout)
+            def cand(fn=fn, w=w):
+                fn(q, k, v, w, None).backward(gout)
 
             fns[f"window {w}: {name}"] = cand
 
@@ -453,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n(d) paths taken: " + ", ".join(f"{k} x{v}" for k, v in report["paths"].items()))
     if report["window_choices"]:
         print(
-            "    window attention tuned: "
+            "    window attention, timed by the registry: "
             + "; ".join(f"{k} -> {v}" for k, v in report["window_choices"].items())
         )
     print(f"wrote {out}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from memfit.estimate.memory import fake_mode, measure_peak
 from memfit.ops import registry
-from memfit.ops.attention import attention, attention_ref, band_attention, force_backend
+from memfit.ops.attention import attention, attention_ref, band_attention, blocks, flex, force_backend
 from torch.nn.attention.flex_attention import create_block_mask
 
 
@@ -189,7 +189,7 @@ def test_auto_dispatch_on_cpu_window(monkeypatch, L, w, path, fn):
     assert A.select_backend(q, k, v) == "sdpa"
     calls = []
     real = getattr(A, fn)
-    monkeypatch.setitem(registry._loaded, f"memfit.ops.attention:{fn}",
+    monkeypatch.setitem(registry._loaded, registry.record_of("attention", path).load,
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
     registry.reset()
     got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=w), q, k, v)
@@ -231,7 +231,7 @@ def test_window_mask_is_the_band_it_names(q0, q1, k0, window):
     """Query q0+i sees key k0+j exactly when k0+j <= q0+i < k0+j+window (checked element by element)."""
     keys, queries = range(k0, q1), range(q0, q1)
     want = torch.tensor([[key <= query < key + window for key in keys] for query in queries])
-    assert torch.equal(A._window_mask(q0, q1, k0, window, "cpu"), want)
+    assert torch.equal(blocks._window_mask(q0, q1, k0, window, "cpu"), want)
 
 
 def test_sdpa_blocks_after_an_estimate_of_the_same_shapes():
@@ -302,8 +302,10 @@ def test_block_mask_cache_is_bounded_lru_and_reports_bytes():
         # The longest lengths are the ones kept, and their bytes match the masks' own tensors.
         kept = A.block_mask_cache_info()["keys"]
         assert [key[0] for key in kept] == [130 + 37 * i for i in range(16, 20)]
-        direct = create_block_mask(A._window_mask_mod(64), None, None, kept[-1][0], kept[-1][0], device="cpu")
-        assert A._block_mask_nbytes(direct) > 0
+        direct = create_block_mask(
+            flex._window_mask_mod(64), None, None, kept[-1][0], kept[-1][0], device="cpu"
+        )
+        assert flex._block_mask_nbytes(direct) > 0
         # LRU: touching the oldest entry saves it from the next eviction.
         A.window_block_mask(kept[0][0], 64, "cpu")
         A.window_block_mask(50, 64, "cpu")
@@ -400,21 +402,32 @@ def test_flash_on_cuda_matches_reference():
 # ----------------------------------------------------------------------------------------------------
 
 
+TIMED = ["flex", "flex_narrow", "varlen", "triton", "blocks"]
+
+
 @pytest.fixture
 def stand_ins(monkeypatch):
-    """Candidates that compute the reference and count their calls; a fake clock for the timings."""
-    calls = {"flex": 0, "flex_narrow": 0, "varlen": 0, "triton": 0, "blocks": 0}
+    """A GPU faked for the registry, the timed window records replaced by stand-ins that compute the
+    reference and count their calls, and a fresh timing state; tests set ``registry.time_call``."""
+    from tests.fake_kernels import fake_gpu
+
+    fake_gpu(monkeypatch)
+    calls = dict.fromkeys(TIMED, 0)
 
     def make(name):
         def fn(q, k, v, window, scale):
             calls[name] += 1
             return attention_ref(q, k, v, window=window, scale=scale)
 
+        fn.record = name
         return fn
 
-    monkeypatch.setattr(A, "CUDA_WINDOW_CANDIDATES", {n: make(n) for n in calls})
-    monkeypatch.setattr(A, "_cuda_choice", {})
-    monkeypatch.setattr(A, "_cuda_failed", {})
+    for name in TIMED:
+        monkeypatch.setitem(registry._loaded, registry.record_of("attention", name).load, make(name))
+    monkeypatch.setattr(registry, "_timed_choice", {})
+    monkeypatch.setattr(registry, "_timing_failed", {})
+    monkeypatch.setattr(registry, "_said_timing", {"attention"})
+    registry.reset()
     return calls
 
 
@@ -422,83 +435,88 @@ def test_cuda_window_times_each_candidate_once_and_keeps_the_fastest(monkeypatch
     timed = []
     speed = {"flex": 2.0, "flex_narrow": 1.5, "varlen": 1.0, "triton": 2.5, "blocks": 3.0}
 
-    def clock(name, q, k, v, window, scale, backward):
-        timed.append((name, backward))
-        return speed[name]
+    def clock(fn, args, backward):
+        timed.append((fn.record, backward))
+        return speed[fn.record]
 
-    monkeypatch.setattr(A, "_time_candidate", clock)
+    monkeypatch.setattr(registry, "time_call", clock)
     q, k, v = _qkv(2, 2, 64, 16, dtype=torch.bfloat16)
-    out = A.cuda_window(q, k, v, 8, None)
+    out = attention(q, k, v, window=8)
     assert sorted(timed) == [("blocks", True), ("flex", True), ("flex_narrow", True), ("triton", True),
                              ("varlen", True)]  # fmt: skip
     assert stand_ins["varlen"] == 1 and stand_ins["flex"] == 0
-    A.cuda_window(q, k, v, 8, None)
-    assert len(timed) == 5 and stand_ins["varlen"] == 2  # cached: no second timing
-    with torch.no_grad():  # another key: forward only
-        A.cuda_window(q, k, v, 8, None)
-    assert ("varlen", False) in timed
+    attention(q, k, v, window=8)
+    assert len(timed) == 5 and stand_ins["varlen"] == 2  # kept: no second timing
+    with torch.no_grad():  # another key: forward only (the narrow Flex is for training keys)
+        attention(q, k, v, window=8)
+    assert ("varlen", False) in timed and ("flex_narrow", False) not in timed
     assert A.cuda_window_choices() == {(2, 2, 64, 16, torch.bfloat16, 8, True): "varlen",
                                        (2, 2, 64, 16, torch.bfloat16, 8, False): "varlen"}  # fmt: skip
+    assert registry.ran("attention") == {"varlen": 3}
     torch.testing.assert_close(out, attention_ref(q, k, v, window=8))
 
 
 def test_cuda_window_leaves_out_fp32_for_flash_and_a_failing_candidate(monkeypatch, stand_ins):
-    def clock(name, *args):
-        if name == "flex":
+    def clock(fn, args, backward):
+        if fn.record == "flex":
             raise RuntimeError("no kernel for this GPU")
-        return {"varlen": 1.0, "blocks": 3.0, "flex_narrow": 4.0, "triton": 5.0}[name]
+        return {"varlen": 1.0, "blocks": 3.0, "flex_narrow": 4.0, "triton": 5.0}[fn.record]
 
-    monkeypatch.setattr(A, "_time_candidate", clock)
+    monkeypatch.setattr(registry, "time_call", clock)
     q, k, v = _qkv(1, 2, 32, 16)  # fp32: FlashAttention-2 does not take it
-    with pytest.warns(RuntimeWarning, match="candidate flex left out for torch.float32, head dim 16"):
-        A.cuda_window(q, k, v, 4, None)
+    with pytest.warns(RuntimeWarning, match="candidate flex left out for torch.float32, last dim 16"):
+        attention(q, k, v, window=4)
     assert list(A.cuda_window_choices().values()) == ["blocks"]
-    assert ("flex", torch.float32, 16) in A._cuda_failed and stand_ins["blocks"] == 1
-    # left out for inputs of that kind only: another head dim times it again
-    names = A._candidates(*_qkv(1, 2, 32, 32), 4, True)
-    assert "flex" in names and "flex" not in A._candidates(q, k, v, 4, True)
+    assert ("attention", "flex", torch.float32, 16) in registry._timing_failed and stand_ins["blocks"] == 1
+    # left out for inputs of that kind only: another head dim still offers it
+    assert A.select_backend(*_qkv(1, 2, 32, 32), window=4) == "flex"
+    assert A.select_backend(q, k, v, window=4) != "flex"
 
 
-def test_tuning_says_once_per_process_what_the_first_step_of_a_shape_waits_for(
+def test_timing_says_once_per_process_what_the_first_step_of_a_shape_waits_for(
     monkeypatch, stand_ins, capsys
 ):
-    monkeypatch.setattr(A, "_time_candidate", lambda name, *args: 1.0)
-    monkeypatch.setattr(A, "_said_tuning", False)
+    monkeypatch.setattr(registry, "time_call", lambda fn, args, backward: 1.0)
+    monkeypatch.setattr(registry, "_said_timing", set())
     q, k, v = _qkv(1, 2, 64, 16, dtype=torch.bfloat16)
-    A.cuda_window(q, k, v, 8, None)
-    A.cuda_window(*_qkv(1, 2, 96, 16, dtype=torch.bfloat16), 8, None)  # a second shape: tuned, not said
+    attention(q, k, v, window=8)
+    attention(*_qkv(1, 2, 96, 16, dtype=torch.bfloat16), window=8)  # a second shape: timed, not said
     err = capsys.readouterr().err
-    assert err.count("[memfit] timing 5 window-attention kernels once per new shape") == 1, err
-    assert "Flex's autotuned one" in err and "flex_narrow" in err
+    assert err.count("[memfit] timing 5 attention kernels once per new shape") == 1, err
+    assert "flex_narrow" in err
 
 
 def test_the_band_kernels_are_offered_for_what_they_take():
-    """fp32/fp16/bf16 of one dtype, equal head dims up to window_triton.MAX_HEAD_DIM."""
-    from memfit.ops.window_triton import MAX_HEAD_DIM
+    """fp32/fp16/bf16 of one dtype, equal head dims up to attention.triton.MAX_HEAD_DIM."""
+    from memfit.ops.attention.triton import MAX_HEAD_DIM, problem
 
-    assert "triton" in A._candidates(*_qkv(1, 2, 32, 16), 4, True)  # fp32 too (full-precision dots)
-    assert "triton" in A._candidates(*_qkv(1, 2, 32, MAX_HEAD_DIM, dtype=torch.bfloat16), 4, False)
+    assert problem(*_qkv(1, 2, 32, 16), 4) is None  # fp32 too (full-precision dots)
+    assert problem(*_qkv(1, 2, 32, MAX_HEAD_DIM, dtype=torch.bfloat16), 4) is None
     for q, k, v in (_qkv(1, 2, 32, 16, dtype=torch.float64), _qkv(1, 2, 32, MAX_HEAD_DIM + 8),
                     [*_qkv(1, 2, 32, 16)[:2], torch.zeros(1, 2, 32, 8)]):  # fmt: skip
-        assert "triton" not in A._candidates(q, k, v, 4, True)
+        assert problem(q, k, v, 4) is not None
 
 
 def test_the_narrow_flex_candidate_is_timed_for_narrow_windows_in_training_only(monkeypatch, stand_ins):
     timed = []
 
-    def clock(name, q, k, v, window, scale, backward):
-        timed.append((name, window))
+    def clock(fn, args, backward):
+        timed.append((fn.record, args[3]))
         return 1.0
 
-    monkeypatch.setattr(A, "_time_candidate", clock)
+    monkeypatch.setattr(registry, "time_call", clock)
     q, k, v = _qkv(1, 2, 512, 16, dtype=torch.bfloat16)
     for w in (A.FLEX_NARROW_MAX_WINDOW, A.FLEX_NARROW_MAX_WINDOW + 1):
-        A.cuda_window(q, k, v, w, None)
+        attention(q, k, v, window=w)
     with torch.no_grad():  # a forward-only key (generation, evaluation): no autotuned compile per length
-        A.cuda_window(q, k, v, 64, None)
+        attention(q, k, v, window=64)
     narrow = [w for name, w in timed if name == "flex_narrow"]
     assert narrow == [A.FLEX_NARROW_MAX_WINDOW]
     assert [w for name, w in timed if name == "flex"] == [128, 129, 64]
+
+
+def _candidate(name):
+    return registry.resolve(registry.record_of("attention", name).load)
 
 
 CANDIDATE_CASES = [
@@ -520,7 +538,7 @@ def test_each_cuda_window_candidate_matches_reference(name, L, w, layout):
         q, k, v = (t.view(2, L, 4, 64).transpose(1, 2) for t in qkv.split(4 * 64, -1))
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))  # leaves that keep the views' strides
         assert not q.is_contiguous()
-    got = _fwd_bwd(lambda q, k, v: A.CUDA_WINDOW_CANDIDATES[name](q, k, v, w, None), q, k, v)
+    got = _fwd_bwd(lambda q, k, v: _candidate(name)(q, k, v, w, None), q, k, v)
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=w), q32, k32, v32)
     _assert_close(got, want, atol=3e-2, rtol=3e-2)
@@ -533,8 +551,8 @@ def test_cuda_auto_window_is_tuned_and_matches_reference():
     q, k, v = _qkv(2, 4, 2048, 64, dtype=torch.bfloat16, device="cuda")
     registry.reset()
     got = _fwd_bwd(lambda q, k, v: attention(q, k, v, window=128), q, k, v)
-    assert registry.ran("attention") == {"tuned": 1}
-    assert list(A.cuda_window_choices().values())[-1] in A.CUDA_WINDOW_CANDIDATES
+    (name,) = registry.ran("attention")
+    assert registry.record_of("attention", name).timed and list(A.cuda_window_choices().values())[-1] == name
     q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
     want = _fwd_bwd(lambda q, k, v: attention_ref(q, k, v, window=128), q32, k32, v32)
     _assert_close(got, want, atol=3e-2, rtol=3e-2)
@@ -547,8 +565,8 @@ def test_the_compiled_flex_wrappers_trace_and_match_the_reference_on_the_cpu(aut
     compiled here by inductor's CPU template: dynamo follows the wrapper into flex_attention with the
     cached block mask and the kernel options, and the result is the window's (~15 s: a C++ compile)."""
     q, k, v = (t.detach() for t in _qkv(1, 2, 256, 16))
-    A._flex(q, autotune)  # imports flex_attention for the wrappers
-    fn = torch.compile(A._flex_autotuned if autotune else A._flex_default, dynamic=False)
+    flex._flex(q, autotune)  # imports flex_attention for the wrappers
+    fn = torch.compile(flex._flex_autotuned if autotune else flex._flex_default, dynamic=False)
     options = {"ROWS_GUARANTEED_SAFE": True} if autotune else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -55,5 +55,5 @@ def test_generate_in_fp32_on_cuda_compiles_a_few_lengths():
     counters.clear()
     out = model.generate(x, 150, top_k=1)
     assert out.shape == (2, 155)
-    assert probes.ran("attention").get("tuned", 0) > 0
+    assert any(probes.record_of("attention", name).timed for name in probes.ran("attention"))
     assert counters["stats"]["unique_graphs"] <= 6, dict(counters["stats"])

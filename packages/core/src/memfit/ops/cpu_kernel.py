@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from memfit.errors import UsageError
-from memfit.ops import registry
+from memfit.ops import device
 
 SOURCE = Path(__file__).with_name("cpu_kernel.c")
 SOURCES = (SOURCE, SOURCE.with_name("cpu_kernel_body.h"))  # the .c includes the body once per dtype
@@ -132,7 +132,7 @@ _failed: list[str] = []  # why a build failed (then available() is False from th
 @cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, or None when it cannot be had here (the caller falls back)."""
-    if "cpu_kernel" in registry.disabled() or os.name != "posix":
+    if "cpu_kernel" in device.disabled() or os.name != "posix":
         return None
     cc = _compiler()
     if cc is None:
@@ -177,13 +177,13 @@ def library() -> ctypes.CDLL | None:
 
 
 # torch.compile takes these three as constants (it cannot trace a build or a ctypes call)
-@registry.constant_result
+@device.constant_result
 def threads() -> int:
     """Threads the kernels split their work over: torch's (fixed when a graph is compiled)."""
     return torch.get_num_threads()
 
 
-@registry.constant_result
+@device.constant_result
 def available() -> bool:
     """Whether the kernel is built or can be built here: a C compiler is found and no build has failed. The
     build itself waits for the first real call (library()), so a memory estimate, whose fake tensors never
@@ -193,7 +193,7 @@ def available() -> bool:
 
 def why_unavailable() -> str | None:
     """None when the kernel is built or can be built here, else why not (the registry's readiness check)."""
-    if "cpu_kernel" in registry.disabled():
+    if "cpu_kernel" in device.disabled():
         return "switched off (MEMFIT_DISABLE=cpu_kernel)"
     if os.name != "posix":
         return "not a POSIX platform"
@@ -204,7 +204,7 @@ def why_unavailable() -> str | None:
     return None
 
 
-@registry.constant_result
+@device.constant_result
 def lanes(sfx: str) -> int:
     """Channels per work item of the kernel's channel-lane path ("f32" or "f64"): the built kernel's, or,
     before it is built, what the compiler's predefined macros say it will be (the same rule as the C file's

@@ -79,8 +79,14 @@ def report(require_kernels: bool = False) -> tuple[list[str], list[str]]:
         for op in registry.OPS:
             verdicts = registry.usable(op, device)
             takes = next((impl for impl, v in verdicts if _usable(v)), None)
+            # timed records (registry.choose): every usable one races, the fastest per shape runs
+            racing = (
+                {impl.name for impl, v in verdicts if _usable(v) and impl.timed}
+                if takes and takes.timed
+                else set()
+            )
             for impl, verdict in verdicts:
-                mark = "->" if impl is takes else "  "
+                mark = "->" if impl is takes or impl.name in racing else "  "
                 lines.append(f"  {mark} {OP_TITLES[op]:<17} {impl.name:<14} {impl.title}: {verdict}")
                 if device.type == "cuda" and "probe FAILED" in verdict:
                     problems.append(f"{impl.name} ({OP_TITLES[op]}): {verdict}")

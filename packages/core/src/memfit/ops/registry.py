@@ -9,6 +9,13 @@ walks an op's records from the highest priority and returns the first that is av
 off, takes these inputs and passed its probe; the op's plain torch record (priority 0) always does. So
 adding an implementation is one record here and one file beside the op's reference.
 
+Where no rule is known in advance (window attention on CUDA: compiled Flex wins at some shapes,
+FlashAttention-2's window at others), records are ``timed``: when the first record that takes a call is
+timed and others are too, ``choose`` times every timed record that takes it, once per (shapes, dtypes,
+arguments, backward or not) key on the device, as cudnn.benchmark does, and keeps the fastest
+(``timed_choices`` lists what it kept; a candidate that fails is left out for inputs of that dtype and
+last dimension, with a warning). One dispatcher chooses, times and reports.
+
 Optional kernels (the ``cuda`` extra: mamba_ssm, causal-conv1d, flash-attn) are used only when installed,
 their preconditions hold (read from the pinned kernels' sources: mamba_ssm 2.3.2.post1
 ``selective_scan.cpp``, causal_conv1d 1.7.0 ``causal_conv1d.cpp``, flash_attn 2.8.3.post2 ``flash_api.cpp``)
@@ -20,26 +27,38 @@ The device test is ``device_type(t)``, the one place that says which device a te
 CUDA tensor is "cuda"; a fake tensor (a memory estimate's trace) is whatever the estimator's ``target`` says
 it stands for. ``ran()`` counts the implementation each call site took, so tests can assert what really ran.
 
-Switches, read here only: ``MEMFIT_DISABLE=name[,name...]`` turns implementations off by name (e.g.
-``triton``, ``cpu_kernel``, ``mamba_ssm``). The older ``MEMFIT_SCAN_KERNEL=0`` is no longer read: set,
-it gets a warning that names ``MEMFIT_DISABLE=cpu_kernel``.
+Switches, read by ``memfit.ops.device`` only: ``MEMFIT_DISABLE=name[,name...]`` turns implementations
+off by name (e.g. ``triton``, ``cpu_kernel``, ``mamba_ssm``). The older ``MEMFIT_SCAN_KERNEL=0`` is no
+longer read: set, it gets a warning that names ``MEMFIT_DISABLE=cpu_kernel``.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 import dataclasses
-import functools
 import importlib
-import os
 import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+
+from memfit.ops.device import (  # noqa: F401 - the registry's names for them, as before
+    _is_fake,
+    _target,
+    capability,
+    channels_last,
+    constant_result,
+    current_target,
+    defer_compiler,
+    device_type,
+    disabled,
+    is_cuda,
+    outside_compile,
+    own_graph,
+)
 
 HALF = (torch.float16, torch.bfloat16)
 FLASH_MIN_CAPABILITY = (8, 0)
@@ -70,65 +89,7 @@ class Impl:
     package: str | None = None  # the optional distribution it comes from (None: memfit and torch)
     fake: str | None = None  # "module:attribute" whose fake ops stand in for it in an estimate's trace
     ready: str | None = None  # "module:attribute" of () -> None, or why it cannot run here (a C compiler...)
-
-
-# torch.compile's marks, without importing the compiler: `torch.compiler.disable` and
-# `assume_constant_result` import torch._dynamo (with sympy and inductor: about 1 s here, 5 s on a busy
-# core) the moment a module that uses them is imported, though most runs never compile.
-
-
-def constant_result(fn):
-    """``torch.compiler.assume_constant_result``: the attribute it sets (torch/_dynamo/decorators.py),
-    set here so that importing the module that uses it does not import torch._dynamo."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-def outside_compile(fn):
-    """``torch.compiler.disable(fn)``, made on the first call that can be inside a compile: while
-    torch._dynamo was never imported nothing is being compiled, and ``fn`` runs as it is."""
-    disabled = None
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        nonlocal disabled
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if disabled is None:
-            disabled = torch.compiler.disable(fn)
-        return disabled(*args, **kwargs)
-
-    return call
-
-
-def defer_compiler(*ops) -> None:
-    """A custom op's kernels, as ``torch.library.custom_op`` wraps them, import torch._dynamo on their
-    first call (``torch._disable_dynamo``, to keep the compiler out of them): 1 s of an `enhance` that never
-    compiles. That wrapper first looks for a ready-made ``__dynamo_disable`` on the function it wraps
-    (torch/_compile.py); give it one that runs the kernel as it is while torch._dynamo was never imported,
-    and otherwise what torch would have made. A torch without these internals keeps its own behaviour."""
-    for op in ops:
-        for wrapper in getattr(op, "_backend_fns", {}).values():
-            fn = getattr(wrapper, "__wrapped__", None)
-            if fn is None or getattr(fn, "__dynamo_disable", None) is not None:
-                continue
-            setattr(fn, "__dynamo_disable", _uncompiled_until_dynamo(fn))
-
-
-def _uncompiled_until_dynamo(fn):
-    made = None
-
-    def call(*args, **kwargs):
-        nonlocal made
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if made is None:
-            import torch._dynamo
-
-            made = torch._dynamo.disable(fn, True, wrapping=False)
-        return made(*args, **kwargs)
-
-    return call
+    timed: bool = False  # chosen among the op's other timed records by timing them on the device (above)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -179,12 +140,6 @@ def _triton_scan_problem(u, delta, A, *args) -> str | None:
     return None
 
 
-def channels_last(x: torch.Tensor) -> bool:
-    """causal-conv1d's own test: is_channel_last = x.stride(1) == 1 && x.stride(2) > 1 (the wrapper makes
-    any x with neither stride 1 contiguous, i.e. L-contiguous)."""
-    return x.stride(1) == 1 and x.stride(2) > 1
-
-
 def _causal_conv_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """causal_conv1d 1.7.0 (causal_conv1d.cpp): width 2..4; x, weight fp32/fp16/bf16, bias weight's dtype;
     x (batch, dim, L) either L-contiguous, or channels-last (dim stride 1) with dim % 8 == 0 (its strides
@@ -206,7 +161,7 @@ def _cpu_conv_problem(x: torch.Tensor, weight: torch.Tensor, bias) -> str | None
     return None if x.is_floating_point() else f"x is {x.dtype}; the C kernel takes floating point"
 
 
-def _flash_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> str | None:
+def _flash_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale=None) -> str | None:
     """flash_attn 2.8.3.post2 (flash_api.cpp): compute capability >= 8.0 (Ampere or newer), fp16/bf16,
     q/k/v one dtype, head dim <= 256 (same for q, k, v)."""
     cap = capability(q.device)
@@ -226,7 +181,7 @@ def _flash_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: in
 BAND_MIN_RATIO = 16
 
 
-def _band_problem(q, k, v, window: int) -> str | None:
+def _band_problem(q, k, v, window: int, scale=None) -> str | None:
     L = q.shape[-2]
     return (
         None if BAND_MIN_RATIO * window <= L else f"L {L} < {BAND_MIN_RATIO} windows: query blocks are faster"
@@ -251,23 +206,35 @@ RECORDS: tuple[Impl, ...] = (
          ready="memfit.ops.cpu_kernel:why_unavailable"),
     Impl("scan", "torch", "any", 0, "memfit.ops.scan.chunked:chunked_scan", "torch-op chunked scan"),
     # causal depthwise conv + SiLU: fn(x (batch, d, L), weight (d, 1, k), bias) -> (batch, d, L)
-    Impl("conv", "causal_conv1d", "cuda", 30, "memfit.ops.causal_conv1d:conv_silu",
+    Impl("conv", "causal_conv1d", "cuda", 30, "memfit.ops.conv.causal_conv1d:conv_silu",
          "causal-conv1d (width 2-4, channels a multiple of 8 when channels-last)",
-         _causal_conv_problem, "memfit.ops.conv:probe", "causal-conv1d", fake="memfit.ops.conv:conv_silu"),
-    Impl("conv", "cpu_kernel", "cpu", 20, "memfit.ops.conv:conv_silu",
+         _causal_conv_problem, "memfit.ops.conv.ref:probe", "causal-conv1d",
+         fake="memfit.ops.conv.cpu:conv_silu"),
+    Impl("conv", "cpu_kernel", "cpu", 20, "memfit.ops.conv.cpu:conv_silu",
          "fused C kernel (memfit/ops/cpu_kernel.c)", _cpu_conv_problem,
          ready="memfit.ops.cpu_kernel:why_unavailable"),
-    Impl("conv", "torch", "any", 0, "memfit.ops.conv:conv_silu_ref", "PyTorch conv1d (cuDNN on CUDA)"),
-    # a causal window shorter than the sequence: fn(q, k, v, window, scale) -> (B, H, L, D)
-    Impl("attention", "flash", "cuda", 30, "memfit.ops.flash_attn:window_attention",
+    Impl("conv", "torch", "any", 0, "memfit.ops.conv.ref:conv_silu_ref", "PyTorch conv1d (cuDNN on CUDA)"),
+    # a causal window shorter than the sequence: fn(q, k, v, window, scale) -> (B, H, L, D); on CUDA without
+    # flash-attn the timed records race (memfit.ops.attention's docstring)
+    Impl("attention", "flash", "cuda", 30, "memfit.ops.attention.flash_attn:window_attention",
          "flash-attn's window (fp16/bf16, head dim <= 256)", _flash_problem,
-         "memfit.ops.attention:probe_flash", "flash-attn", fake="memfit.ops.attention:flash_like"),
-    Impl("attention", "tuned", "cuda", 20, "memfit.ops.attention:cuda_window",
-         "the fastest of compiled FlexAttention, FlashAttention-2's window and SDPA on query blocks, timed "
-         "once per shape", fake="memfit.ops.attention:flash_like"),
-    Impl("attention", "band", "cpu", 20, "memfit.ops.attention:band_attention",
+         "memfit.ops.attention.ref:probe", "flash-attn", fake="memfit.ops.attention.sdpa:flash_like"),
+    Impl("attention", "flex", "cuda", 20, "memfit.ops.attention.flex:flex_window",
+         "compiled FlexAttention, 128-wide blocks (timed)", fake="memfit.ops.attention.sdpa:flash_like",
+         timed=True),
+    Impl("attention", "flex_narrow", "cuda", 20, "memfit.ops.attention.flex:flex_narrow_window",
+         "compiled FlexAttention, 64-wide blocks, autotuned: training, windows <= 128 (timed)",
+         "memfit.ops.attention.flex:narrow_problem", fake="memfit.ops.attention.sdpa:flash_like", timed=True),
+    Impl("attention", "varlen", "cuda", 20, "memfit.ops.attention.varlen:varlen_window",
+         "FlashAttention-2's window bundled in PyTorch, fp16/bf16 (timed)",
+         "memfit.ops.attention.varlen:problem", fake="memfit.ops.attention.sdpa:flash_like", timed=True),
+    Impl("attention", "triton", "cuda", 20, "memfit.ops.attention.triton:triton_window",
+         "memfit's Triton band kernels (timed)", "memfit.ops.attention.triton:problem",
+         fake="memfit.ops.attention.sdpa:flash_like", timed=True),
+    Impl("attention", "band", "cpu", 20, "memfit.ops.attention.band:band_attention",
          "the band path (long sequences: L >= 16 windows)", _band_problem),
-    Impl("attention", "blocks", "any", 0, "memfit.ops.attention:sdpa_blocks", "SDPA on query blocks"),
+    Impl("attention", "blocks", "any", 0, "memfit.ops.attention.blocks:sdpa_blocks",
+         "SDPA on query blocks (timed beside the others on CUDA)", timed=True),
 )  # fmt: skip
 
 OPS = tuple(dict.fromkeys(r.op for r in RECORDS))
@@ -313,27 +280,6 @@ def load_error(impl: Impl) -> str | None:
     return _load_errors.get(impl.load)
 
 
-def disabled() -> frozenset[str]:
-    """Implementations switched off by the environment (MEMFIT_DISABLE)."""
-    if "MEMFIT_SCAN_KERNEL" in os.environ and not _said_old_switch:
-        _say_old_switch()
-    return frozenset(n.strip() for n in os.environ.get("MEMFIT_DISABLE", "").split(",") if n.strip())
-
-
-_said_old_switch = False
-
-
-def _say_old_switch() -> None:
-    global _said_old_switch
-    _said_old_switch = True
-    warnings.warn(
-        "memfit: MEMFIT_SCAN_KERNEL is no longer read; to switch the fused CPU kernel off, set "
-        "MEMFIT_DISABLE=cpu_kernel",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
 # ----------------------------------------------------------------------------------------------------
 # Devices, and what an estimate's trace stands for
 # ----------------------------------------------------------------------------------------------------
@@ -372,9 +318,6 @@ def extra_kernels() -> frozenset[str]:
     return frozenset(r.name for r in RECORDS if r.package and r.device == "cuda")
 
 
-_target = contextvars.ContextVar[Target | None]("memfit_target", default=None)
-
-
 @contextlib.contextmanager
 def traced_as(target: Target) -> Iterator[None]:
     """Inside, fake tensors stand for ``target``: call sites choose what a run on that device would, and run
@@ -384,35 +327,6 @@ def traced_as(target: Target) -> Iterator[None]:
         yield
     finally:
         _target.reset(token)
-
-
-def current_target() -> Target | None:
-    """The target fake tensors stand for now (None: outside an estimate's trace, or not set)."""
-    return None if torch.compiler.is_compiling() else _target.get()
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
-def device_type(t: torch.Tensor) -> str:
-    """The device type ``t``'s ops run for: its own, but for a fake tensor inside ``traced_as`` the
-    target's."""
-    if _is_fake(t) and (target := current_target()) is not None:
-        return target.device
-    return t.device.type
-
-
-def is_cuda(t: torch.Tensor) -> bool:
-    """Whether t lives on a real CUDA device (a fake tensor never does: an estimate traces on the CPU)."""
-    return t.device.type == "cuda" and not _is_fake(t)
-
-
-def capability(device: torch.device) -> tuple[int, int]:
-    """The CUDA compute capability of ``device``, e.g. (8, 0) for an A100."""
-    return torch.cuda.get_device_capability(device)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -491,19 +405,6 @@ def _fall_back(impl: Impl, reason: str) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-@contextlib.contextmanager
-def own_graph() -> Iterator[None]:
-    """Gradients on, and a graph that keeps its own saved tensors (saved-tensor hooks of its own): for the
-    trial calls a dispatch makes (a probe, a timing) in the middle of a model's forward, which may run
-    inside activation checkpointing, whose hooks would otherwise take the trial's tensors."""
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
-        yield
-
-
 def _run_probe(impl: Impl, fn: Callable, device: torch.device) -> ProbeResult:
     """The probe, apart from the call that asked for it: no autocast, gradients on, and the probe's graph
     keeps its own tensors (saved-tensor hooks of its own). A model's first call often runs inside
@@ -549,31 +450,22 @@ def choose(
     ``args`` are the call's arguments in the op's calling convention (the first is a tensor of the call);
     ``kernels=False`` keeps every implementation but the plain torch one out. Inside ``traced_as``, fake
     tensors stand for the target's device: only the optional kernels it names are candidates, nothing is
-    probed, and a kernel with a ``fake`` stand-in runs that stand-in's fake ops. ``count=False``: not
-    recorded in ``ran`` (a question, not a call)."""
+    probed or timed, and a kernel with a ``fake`` stand-in runs that stand-in's fake ops. When the first
+    record that takes a real CUDA call is ``timed``, the fastest of the timed records that take it runs
+    (``_fastest``). ``count=False``: not recorded in ``ran`` (a question, not a call)."""
     first = args[0]
     dev = device_type(first)
     target = current_target() if _is_fake(first) else None
-    for impl in records(op):
-        if impl.device not in (dev, "any") or (impl.priority > 0 and not kernels) or _switched_off(impl.name):
+    recs = records(op)
+    for i, impl in enumerate(recs):
+        fn = _taking(impl, args, dev, target, kernels, device)
+        if fn is None:
             continue
-        if target is not None and impl.package and impl.name not in target.kernels:
-            continue
-        if target is not None and impl.fake:  # a stand-in's fake ops trace it: it need not be installed here
-            fn = resolve(impl.fake)
-        else:
-            fn = resolve(impl.load)
-            if fn is None or not _ready(impl.op, impl.name):
-                continue
-        problem = _problem(impl, args)
-        if problem is None and target is None and impl.probe is not None:
-            res = probe(impl, device if device is not None else first.device)
-            if not res.ok:
-                problem = f"its probe on {first.device}: {res.detail}"
-        if problem is not None:
-            if impl.probe is not None and target is None:  # a kernel that could not take it: say so once
-                _fall_back(impl, problem)
-            continue
+        if impl.timed and target is None and dev == "cuda":
+            rest = [(r, _taking(r, args, dev, None, kernels, device)) for r in recs[i + 1 :] if r.timed]
+            group = [(impl, fn)] + [(r, f) for r, f in rest if f is not None]
+            if len(group) > 1:
+                impl, fn = _fastest(op, group, args, time=count)
         if count and _is_fake(first):  # an estimate's fake trace is not a run: counted apart
             with _lock:
                 _traced[(op, impl.name)] += 1
@@ -581,6 +473,136 @@ def choose(
             record(op, impl.name)
         return impl, fn
     raise RuntimeError(f"memfit: no implementation of {op} takes this call")  # torch's always does
+
+
+def _taking(impl: Impl, args: tuple, dev: str, target, kernels: bool, device) -> Callable | None:
+    """The function to call when ``impl`` takes this call (``choose``'s tests, in order), else None."""
+    first = args[0]
+    if impl.device not in (dev, "any") or (impl.priority > 0 and not kernels) or _switched_off(impl.name):
+        return None
+    if target is not None and impl.package and impl.name not in target.kernels:
+        return None
+    if target is not None and impl.fake:  # a stand-in's fake ops trace it: it need not be installed here
+        fn = resolve(impl.fake)
+    else:
+        fn = resolve(impl.load)
+        if fn is None or not _ready(impl.op, impl.name):
+            return None
+    if target is None and impl.priority > 0 and (impl.op, impl.name, *_kind(first)) in _timing_failed:
+        return None  # the op's plain torch record always stays
+    problem = _problem(impl, args)
+    if problem is None and target is None and impl.probe is not None:
+        res = probe(impl, device if device is not None else first.device)
+        if not res.ok:
+            problem = f"its probe on {first.device}: {res.detail}"
+    if problem is not None:
+        if impl.probe is not None and target is None:  # a kernel that could not take it: say so once
+            _fall_back(impl, problem)
+        return None
+    return fn
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timed records: the fastest, measured once per key on the device
+# ----------------------------------------------------------------------------------------------------
+
+TUNE_REPEATS = 3
+_timed_choice: dict[tuple, str] = {}
+# (op, record, dtype, last dim) -> why it failed there: left out for inputs of that kind only (a kernel
+# that cannot compile for one head dim or dtype may well run for others)
+_timing_failed: dict[tuple, str] = {}
+_said_timing: set[str] = set()
+
+
+def _kind(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.shape[-1] if t.dim() else 0)
+
+
+def _grad_wanted(args: tuple) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def timing_key(op: str, args: tuple) -> tuple:
+    """(op, the tensors' shapes and dtypes, the other arguments, backward or not): what one timing covers."""
+    parts = tuple((*a.shape, a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+    return (op, *parts, _grad_wanted(args))
+
+
+def timed_candidates(op: str, *args) -> list[str]:
+    """The timed records that would race for this real call (what ``choose`` times; [] when the first
+    record that takes it is not timed): for benchmarks that time each one themselves."""
+    first = args[0]
+    dev = device_type(first)
+    takes = [(r, _taking(r, args, dev, None, True, None)) for r in records(op)]
+    takes = [r for r, fn in takes if fn is not None]
+    return [r.name for r in takes if r.timed] if takes and takes[0].timed else []
+
+
+def timed_choices(op: str | None = None) -> dict[tuple, str]:
+    """{timing key: record} kept so far in this process (``timing_key``), for ``op`` or every op."""
+    return {k: v for k, v in _timed_choice.items() if op is None or k[0] == op}
+
+
+def _fastest(
+    op: str, group: list[tuple[Impl, Callable]], args: tuple, time: bool = True
+) -> tuple[Impl, Callable]:
+    """The record of ``group`` measured fastest for this call's key (timed on its first call; under
+    torch.compile, or asked without ``time``, a key not timed yet takes the first of the group)."""
+    key = timing_key(op, args)
+    name = _timed_choice.get(key)
+    if name is None:
+        if not time or torch.compiler.is_compiling():
+            return group[0]
+        name = _time_group_outside_compile(key, op, group, args)
+    return next(((i, f) for i, f in group if i.name == name), group[0])
+
+
+def _time_group(key: tuple, op: str, group: list[tuple[Impl, Callable]], args: tuple) -> str:
+    names = [i.name for i, _ in group]
+    if op not in _said_timing:  # the first step of each new shape waits for this: said once per op
+        _said_timing.add(op)
+        print(f"[memfit] timing {len(names)} {op} kernels once per new shape (a compiled one may take tens "
+              f"of seconds): {', '.join(names)}", file=sys.stderr)  # fmt: skip
+    backward = _grad_wanted(args)
+    timings = {}
+    for impl, fn in group:
+        try:
+            timings[impl.name] = time_call(fn, args, backward)
+        except Exception as e:  # noqa: BLE001 - a candidate this GPU/torch cannot run is left out, said once
+            why = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+            dtype, last = _kind(args[0])
+            _timing_failed[(op, impl.name, dtype, last)] = why
+            warnings.warn(f"memfit: {op} candidate {impl.name} left out for {dtype}, last dim {last} ({why})",
+                          RuntimeWarning, stacklevel=4)  # fmt: skip
+    name = min(timings, key=timings.get) if timings else names[-1]
+    _timed_choice[key] = name
+    return name
+
+
+_time_group_outside_compile = outside_compile(_time_group)
+
+
+def time_call(fn: Callable, args: tuple, backward: bool) -> float:
+    """Median ms of ``fn(*args)`` (+ its backward) on copies of the tensor arguments, on their CUDA device;
+    the first call, which may compile, is not timed. The trial keeps its own graph: the first call of a
+    shape often comes inside activation checkpointing (``own_graph``)."""
+    leaves = [
+        a.detach().requires_grad_(backward and a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    times = []
+    with own_graph():
+        for i in range(TUNE_REPEATS + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn(*leaves)
+            if backward:
+                out.backward(torch.ones_like(out))
+            end.record()
+            end.synchronize()
+            if i:
+                times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def _problem(impl: Impl, args: tuple) -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from memfit.ops import cpu_kernel as _K
-from memfit.ops import registry
+from memfit.ops import device
 from memfit.ops.scan.ref import _to, compute_dtype
 
 _LOG2E = 1.4426950408889634
@@ -326,4 +326,4 @@ def takes(u, delta, A, *args) -> str | None:
     return None
 
 
-registry.defer_compiler(_scan_fwd, _scan_bwd)
+device.defer_compiler(_scan_fwd, _scan_bwd)

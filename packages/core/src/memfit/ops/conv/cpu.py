@@ -1,62 +1,14 @@
-"""The depthwise causal conv1d + SiLU of a Mamba block: every implementation, and the reference.
-
-``causal_conv_silu(x, weight, bias)``: x (batch, d, L), weight (d, 1, k), bias (d,) or None ->
-silu(conv1d(x) trimmed to the causal outputs), (batch, d, L) in x's dtype. The registry
-(``memfit.ops.registry``) picks causal-conv1d on CUDA (the ``cuda`` extra), the fused C kernel on the CPU,
-or ``conv_silu_ref`` (PyTorch's conv1d, cuDNN on CUDA) everywhere.
-"""
+"""The fused depthwise causal conv1d + SiLU in C on the CPU (``memfit.ops.cpu_kernel``), as torch ops."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from memfit.ops import cpu_kernel as _K
-from memfit.ops import registry
+from memfit.ops import device
 from memfit.ops.scan.cpu import OP_TAGS, cast_bdl, sfx
-from memfit.ops.scan.ref import compare, compute_dtype
+from memfit.ops.scan.ref import compute_dtype
 
-
-def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: bool = True):
-    """silu(depthwise causal conv1d(x)): x (batch, d, L) -> (batch, d, L); the registry's choice."""
-    _, fn = registry.choose("conv", x, weight, bias, kernels=kernels)
-    return fn(x, weight, bias)
-
-
-def conv_silu_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """PyTorch's conv1d with left padding only: the look-ahead outputs are trimmed."""
-    return F.silu(
-        F.conv1d(x, weight, bias, padding=weight.shape[-1] - 1, groups=weight.shape[0])[..., : x.shape[-1]]
-    )
-
-
-def conv_layout(x: torch.Tensor) -> torch.Tensor:
-    """x as causal-conv1d takes it: a channels-last x whose batch/L strides are not multiples of 8 (a view
-    into a wider tensor) is copied into a dense channels-last tensor, whose strides are dim and L*dim."""
-    if registry.channels_last(x) and (x.stride(0) % 8 or x.stride(2) % 8):
-        return x.transpose(1, 2).contiguous().transpose(1, 2)
-    return x
-
-
-def probe(fn, device: torch.device) -> tuple[bool, str]:
-    """One tiny call of a conv implementation on ``device`` in a Mamba block's layout (channels-last, a view
-    of half of the in_proj output), forward and the gradient of x, against ``conv_silu_ref``."""
-    g = torch.Generator(device=device).manual_seed(0)
-    batch, dim, L, width = 2, 16, 37, 4
-    x = torch.randn(batch, L, 2 * dim, generator=g, device=device)[..., :dim].transpose(1, 2)
-    w = torch.randn(dim, 1, width, generator=g, device=device)
-    b = torch.randn(dim, generator=g, device=device)
-    x = x.detach().requires_grad_(True)
-    out = fn(x, w, b)
-    (gx,) = torch.autograd.grad(out.float().sum(), x)
-    x_ref = x.detach().requires_grad_(True)
-    want = conv_silu_ref(x_ref, w, b)
-    (gx_ref,) = torch.autograd.grad(want.sum(), x_ref)
-    return compare([out, gx], [want, gx_ref], 1e-3)
-
-
-# The fused depthwise causal conv1d + SiLU as torch ops, memfit::conv_fwd and memfit::conv_bwd, on the
-# tensors as the kernel reads them (x channels last in the compute dtype, the weight as (k, d)), with fake
 # implementations making the same outputs, and _ConvSiLU around them as memfit.ops.scan's _FusedScan is around
 # the scan's ops (casts as torch ops, the block's own tensors saved for backward).
 
@@ -158,4 +110,4 @@ def _channels_last(x: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
     return xt if xt.stride(2) == 1 else xt.contiguous()
 
 
-registry.defer_compiler(_conv_fwd, _conv_bwd)
+device.defer_compiler(_conv_fwd, _conv_bwd)
