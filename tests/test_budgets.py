@@ -8,7 +8,7 @@ calibration step is run for real on CPU and compared with its estimate (within 1
 import functools
 
 import pytest
-from memfit.estimate.memory import estimate_training_step, measure_training_step
+from memfit.estimate.steps import estimate_training_step, measure_training_step
 from memfit.system import available_systems, load_system
 
 SYSTEMS = sorted(available_systems())

@@ -4,7 +4,7 @@ Every import counts, a lazy one inside a function too, and in core so does a "mo
 (what ``memfit.ops.registry`` imports its implementations by, at run time): a circle that only closes at
 run time is still a circle a reader has to hold in mind. (A system's command table in its ``system.py``
 names its own ``train``/``eval`` the same way; those strings are the system's entry points, not counted.)
-Floors, bottom up: ``memfit.errors``; ``memfit.ops``; ``memfit.estimate``
+Floors, bottom up: ``memfit.errors`` and ``memfit.step``; ``memfit.ops``; ``memfit.estimate``
 (may use ops); ``memfit.train`` (may use ops and estimate); the top (``memfit.system``, ``memfit.cli``,
 ``memfit.memory``, ``memfit``). A system package may import core, never another system.
 """
@@ -76,7 +76,12 @@ def graph() -> dict[str, set[str]]:
     return {m: imports(p, m, known) for m, p in mods.items()}
 
 
+GROUND = {"memfit.step": 0}  # modules beside memfit.errors on the ground floor (the step description)
+
+
 def floor(mod: str) -> int:
+    if mod in GROUND:
+        return GROUND[mod]
     for i, f in enumerate(FLOORS[:-1]):
         if mod == f or mod.startswith(f + "."):
             return i

@@ -40,7 +40,8 @@ def test_report_rejects_unknown_system(tmp_path):
 
 def _check_fit(system, gpu_gib, max_batch, variant):
     from memfit.estimate.fit import fit_system, needed_bytes, usable_bytes
-    from memfit.estimate.memory import GIB, estimate_training_step
+    from memfit.estimate.steps import estimate_training_step
+    from memfit.estimate.tracker import GIB
     from memfit.system import load_system
 
     entry = next(e for e in load_system(system).budgets() if e.variant == variant)

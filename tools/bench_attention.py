@@ -30,7 +30,7 @@ import time
 
 import torch
 from memfit.errors import UsageError
-from memfit.estimate.memory import measure_peak
+from memfit.estimate.steps import measure_peak
 from memfit.ops.attention import attention, select_backend
 from memfit.train.flags import Parser
 

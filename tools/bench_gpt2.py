@@ -37,7 +37,7 @@ NANOGPT_CPU = [
 
 def bench_memory() -> None:
     from gpt2_window.system import budget_entries
-    from memfit.estimate.memory import estimate_training_step, measure_training_step
+    from memfit.estimate.steps import estimate_training_step, measure_training_step
 
     rows = []
     for e in budget_entries():

@@ -208,7 +208,7 @@ def scan_part(sizes, device, warmup, repeats, rounds) -> list[dict]:
 
 def step_runner(step, device):
     """(one training step as a function, the model): the step as ``memfit.estimate.memory`` runs it."""
-    from memfit.estimate.memory import default_optimizer
+    from memfit.step import default_optimizer
 
     with torch.device(device):
         model = step.build_model()
@@ -253,8 +253,8 @@ def measure_step(step, device, warmup, repeats) -> dict:
 def estimate_gib(step, device) -> dict:
     """`memfit budget --device cuda`'s figures for this step on this GPU's kernels: the allocator peak, and
     (where the estimator models them) the reserved peak and the card total."""
-    from memfit.estimate.memory import estimate_training_step
     from memfit.estimate.rules import assume_kernels
+    from memfit.estimate.steps import estimate_training_step
     from memfit.ops import registry
 
     kernels = registry.kernels_on(device) if device.type == "cuda" else frozenset()

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from memfit.estimate.memory import measure_peak
+from memfit.estimate.steps import measure_peak
 from memfit.ops.cpu_kernel import library as fused_kernel
 from memfit.ops.scan import auto_chunk_size, selective_scan, selective_scan_ref
 from memfit.ops.scan import cpu as ssm

@@ -15,7 +15,8 @@ import time
 import torch
 import torchvision
 from memfit.estimate import make_target
-from memfit.estimate.memory import MIB, estimate_training_step, measure_training_step, memtracker_peak
+from memfit.estimate.steps import estimate_training_step, measure_training_step, memtracker_peak
+from memfit.estimate.tracker import MIB
 from memfit.train.flags import Parser
 
 

@@ -26,7 +26,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from memfit.estimate.memory import TrainStep, default_optimizer  # noqa: E402
+from memfit.step import TrainStep, default_optimizer  # noqa: E402
 from memfit.train.flags import Parser
 from torch import nn  # noqa: E402
 
@@ -426,7 +426,7 @@ class Row:
 
 
 def run_entry(entry: Entry, measure: bool = True) -> Row:
-    from memfit.estimate.memory import estimate_training_step, measure_training_step
+    from memfit.estimate.steps import estimate_training_step, measure_training_step
     from memfit.estimate.trace import failure_text, trace_step
 
     row = Row(entry.name, entry.family, entry.shape, None, None, None)

@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from memfit.estimate.memory import TrainStep, default_optimizer  # noqa: E402
+from memfit.step import TrainStep, default_optimizer  # noqa: E402
 from memfit.train.flags import Parser  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -340,7 +340,7 @@ def budget_rows() -> dict:
 def smoke(names: list[str]) -> list[dict]:
     """On the CPU: the CUDA estimate (an sm90 card) of each named entry, no measurement."""
     from memfit.estimate import workspaces
-    from memfit.estimate.memory import estimate_training_step
+    from memfit.estimate.steps import estimate_training_step
 
     rows = []
     for m in models() + checks():

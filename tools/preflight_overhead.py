@@ -23,7 +23,7 @@ CASES = [("mbsnet-speech", 39), ("mbsnet-speech", 100), ("ginr-cifar", 512), ("g
 def one(system: str, batch: int) -> None:
     """Run in a child: estimate, then two real steps; print 'estimate growth' in bytes."""
     import torch
-    from memfit.estimate.memory import _run_step, estimate_training_step
+    from memfit.estimate.steps import _run_step, estimate_training_step
     from memfit.train.cpu import keep_freed_memory
 
     if os.environ.get("KEEP_FREED") == "1":

@@ -24,7 +24,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import torch
-    from memfit.estimate.memory import estimate_training_step
+    from memfit.estimate.steps import estimate_training_step
     from memfit.system import available_systems, load_system
 
     torch.set_num_threads(a.threads)

@@ -8,7 +8,8 @@ import warnings
 import memfit.ops.attention as A
 import pytest
 import torch
-from memfit.estimate.memory import fake_mode, measure_peak
+from memfit.estimate.steps import measure_peak
+from memfit.estimate.tracker import fake_mode
 from memfit.ops import registry
 from memfit.ops.attention import attention, attention_ref, band_attention, blocks, flex, force_backend
 from torch.nn.attention.flex_attention import create_block_mask

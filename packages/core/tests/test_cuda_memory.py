@@ -16,8 +16,10 @@ from memfit import cli
 from memfit.errors import UsageError
 from memfit.estimate import fit, workspaces
 from memfit.estimate import rules as kernels
-from memfit.estimate.memory import WORKSPACES, TrainStep, estimate_training_step
+from memfit.estimate.steps import estimate_training_step
 from memfit.estimate.trace import BORN, DTYPE, FREED, MODULE, OP, SHAPE, trace_step
+from memfit.estimate.tracker import WORKSPACES
+from memfit.step import TrainStep
 from torch import nn
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3

@@ -13,13 +13,8 @@ import torch.nn.functional as F
 from memfit import cli
 from memfit.estimate import make_target, trace_target
 from memfit.estimate.explain import fit_batch, recommend, scaling, sdpa_replay, what_ifs
-from memfit.estimate.memory import (
-    GIB,
-    estimate_training_step,
-    fake_mode,
-    measure_training_step,
-    memtracker_peak,
-)
+from memfit.estimate.steps import estimate_training_step, measure_training_step, memtracker_peak
+from memfit.estimate.tracker import GIB, fake_mode
 from torch import nn
 
 # ----------------------------------------------------------------------------------------------------
@@ -343,7 +338,7 @@ def test_cli_estimate_trainstep_file_with_a_batch_knob(tmp_path, capsys):
         textwrap.dedent(
             """
             import torch
-            from memfit.estimate.memory import TrainStep
+            from memfit.step import TrainStep
 
             def step(batch: int = 16):
                 return TrainStep(
@@ -487,7 +482,7 @@ def test_fast_fake_ops_give_the_same_allocations_as_fake_tensor_mode(monkeypatch
     """memory._fast_fake_call builds repeated ops' outputs from remembered metadata and runs views'
     meta kernels itself: every allocation and free is the one plain FakeTensorMode gives, and so are the
     peak and its split. The fast path runs twice: while it learns the ops' metadata, then from memory."""
-    import memfit.estimate.memory as mm
+    import memfit.estimate.tracker as mm
     from memfit.estimate import trace_step
 
     step = make_target(factory or _torchvision(name), name, [shape], **kw).step()
@@ -506,7 +501,7 @@ def test_fast_fake_ops_give_the_same_allocations_as_fake_tensor_mode(monkeypatch
 def test_fast_fake_ops_keep_views_that_have_no_alias_annotation(monkeypatch):
     """aten._unsafe_view (after matmul's mm) shares the mm output's storage: a repeated matmul must not
     count a second copy."""
-    import memfit.estimate.memory as mm
+    import memfit.estimate.tracker as mm
 
     peaks = []
     for fast in (True, False):
@@ -595,7 +590,7 @@ def _load(spec):
 
 def test_fast_fake_tensors_carry_what_fake_tensor_mode_gives_them():
     """memory._new_fake builds FakeTensors without FakeTensor.__new__: same attributes, values, device."""
-    import memfit.estimate.memory as mm
+    import memfit.estimate.tracker as mm
     from torch._subclasses.fake_tensor import FakeTensor
 
     with fake_mode() as mode:
@@ -616,13 +611,14 @@ def test_fast_fake_tensors_carry_what_fake_tensor_mode_gives_them():
 def test_compiled_code_under_the_tracker_runs_eagerly():
     """The tracker keeps TorchDispatchMode's dynamo guard: torch.compile inside an estimate or a
     measurement runs eagerly instead of compiling the tracker's own frames."""
-    import memfit.estimate.memory as mm
     import torch._dynamo.utils
 
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     f = torch.compile(lambda x: (x * 2).sin().sum(), backend="eager")
-    with mm.measure_peak() as m:
+    from memfit.estimate.steps import measure_peak
+
+    with measure_peak() as m:
         f(torch.randn(100))
     assert m.peak_bytes == 3 * 400 and not torch._dynamo.utils.counters["frames"]
 
@@ -632,7 +628,7 @@ def test_fast_fake_path_does_not_remember_outputs_that_view_part_of_a_storage():
     bytes, so its key stays on FakeTensorMode's path. fake_mode() also turns FakeTensorMode's own cache
     off, which has that loss: with it, the second estimate in a process came out 4 bytes lower than the
     first (mbsnet's figures depended on what ran before them)."""
-    import memfit.estimate.memory as mm
+    import memfit.estimate.tracker as mm
 
     with fake_mode() as mode:
         assert not mode.cache_enabled
@@ -648,7 +644,7 @@ def test_fast_fake_path_does_not_remember_outputs_that_view_part_of_a_storage():
 
 def test_cpu_measurement_follows_storages_resized_in_place():
     """FSDP2 frees and re-gathers parameters with UntypedStorage.resize_: the tracker follows it."""
-    from memfit.estimate.memory import measure_peak
+    from memfit.estimate.steps import measure_peak
 
     with measure_peak() as m:
         t = torch.empty(1000)  # 4000 B

@@ -13,7 +13,7 @@ import torch
 from memfit import cli
 from memfit.estimate import byname, estimate_model, finetune
 from memfit.estimate.explain import what_ifs
-from memfit.estimate.memory import estimate_training_step, measure_training_step
+from memfit.estimate.steps import estimate_training_step, measure_training_step
 from memfit.estimate.trace import trace_target
 
 transformers = pytest.importorskip("transformers")

@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from memfit.estimate import rules as kernels
-from memfit.estimate.memory import TrainStep, estimate_training_step, measure_training_step
+from memfit.estimate.steps import estimate_training_step, measure_training_step
 from memfit.estimate.trace import SAVED, SHAPE, trace_step
+from memfit.step import TrainStep
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode

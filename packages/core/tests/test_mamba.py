@@ -6,8 +6,9 @@ import memfit.ops.scan
 import pytest
 import torch
 import torch.nn.functional as F
-from memfit.estimate.memory import TrainStep, estimate_training_step, measure_training_step
+from memfit.estimate.steps import estimate_training_step, measure_training_step
 from memfit.ops.mamba import BiMamba, Mamba, MambaConfig
+from memfit.step import TrainStep
 
 
 def formula(cfg: MambaConfig) -> int:

@@ -6,13 +6,8 @@ import resource
 import pytest
 import torch
 import torch.nn.functional as F
-from memfit.estimate.memory import (
-    TrainStep,
-    estimate_training_step,
-    measure_peak,
-    measure_training_step,
-    memtracker_peak,
-)
+from memfit.estimate.steps import estimate_training_step, measure_peak, measure_training_step, memtracker_peak
+from memfit.step import TrainStep
 from torch import nn
 
 

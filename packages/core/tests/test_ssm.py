@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from memfit.estimate.memory import measure_peak
+from memfit.estimate.steps import measure_peak
 from memfit.ops.scan import auto_chunk_size, selective_scan, selective_scan_ref
 
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
@@ -431,7 +431,7 @@ def test_fake_tensor_path_allocates_like_the_real_one(layout, channels_last, ker
     size of allocation the real run makes (the chunks it skips repeat the same ones). The fused CPU path
     runs on fake tensors too, skipping only its C calls: the same check holds for it, on either of its
     paths (channel-stride-1 inputs with per-step B/C take the channel-lane path)."""
-    from memfit.estimate.memory import _StorageTracker, fake_mode
+    from memfit.estimate.tracker import _StorageTracker, fake_mode
 
     class Tracker(_StorageTracker):
         def __init__(self, fake):

@@ -13,7 +13,7 @@ from memfit import cli
 from memfit import estimate as estimate_api
 from memfit.estimate import CAT, allocator
 from memfit.estimate import timeline as tl
-from memfit.estimate.memory import _run_step, training_state_tensors
+from memfit.estimate.steps import _run_step, training_state_tensors
 from torch import nn
 from torch.cuda import _memory_viz
 

@@ -7,7 +7,7 @@ import torch
 from ginr_cifar.config import get_config
 from ginr_cifar.model import Decoder
 from ginr_cifar.system import BUDGETS_GIB, budget_entries, calibration_config, ginr_step, paper_config
-from memfit.estimate.memory import estimate_training_step, measure_peak, measure_training_step
+from memfit.estimate.steps import estimate_training_step, measure_peak, measure_training_step
 
 
 def _decoder_activation_bytes(decoder: str, num_coords: int) -> int:
@@ -59,7 +59,7 @@ def test_ginr_budget_entries_are_well_formed():
 
 def _decoder_step(decoder: str, batch: int, num_coords: int):
     """The paper-size decoder alone (latent given): the part whose memory the variants change."""
-    from memfit.estimate.memory import TrainStep
+    from memfit.step import TrainStep
 
     cfg = paper_config(decoder)
 

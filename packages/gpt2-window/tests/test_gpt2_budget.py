@@ -9,7 +9,7 @@ import torch
 from gpt2_window.config import GPTConfig
 from gpt2_window.model import GPT
 from gpt2_window.system import SYSTEM, budget_entries
-from memfit.estimate.memory import estimate_training_step, measure_training_step
+from memfit.estimate.steps import estimate_training_step, measure_training_step
 
 ENTRIES = {e.variant: e for e in budget_entries()}
 

@@ -9,7 +9,7 @@ import torch
 from gpt2_window.config import GPTConfig
 from gpt2_window.model import GPT
 from gpt2_window.system import budget_entries
-from memfit.estimate.memory import measure_training_step
+from memfit.estimate.steps import measure_training_step
 
 pytestmark = pytest.mark.cuda
 

@@ -1,5 +1,5 @@
 import pytest
-from memfit.estimate.memory import estimate_training_step, measure_training_step
+from memfit.estimate.steps import estimate_training_step, measure_training_step
 
 pytest.importorskip(
     "memfit.ops.mamba", reason="memfit.ops.mamba (the chunked Mamba block) is not installed yet"

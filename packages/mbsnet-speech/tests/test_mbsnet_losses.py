@@ -142,7 +142,8 @@ def test_fir_pesq_matches_torch_pesq_and_is_cheap_to_estimate():
     import numpy as np
     from mbsnet_speech.data import synth_speech
     from mbsnet_speech.losses import _FirPesq
-    from memfit.estimate.memory import TrainStep, estimate_training_step
+    from memfit.estimate.steps import estimate_training_step
+    from memfit.step import TrainStep
     from torch_pesq import PesqLoss
 
     g = torch.Generator().manual_seed(0)
@@ -170,7 +171,8 @@ def test_stoi_loss_follows_pystoi_and_traces_under_fake_tensors():
     from mbsnet_speech.data import synth_speech
     from mbsnet_speech.losses import stoi_loss
     from mbsnet_speech.metrics import stoi_score
-    from memfit.estimate.memory import TrainStep, estimate_training_step
+    from memfit.estimate.steps import estimate_training_step
+    from memfit.step import TrainStep
 
     g = torch.Generator().manual_seed(0)
     t = torch.arange(32000) / 16000

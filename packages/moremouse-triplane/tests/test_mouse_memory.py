@@ -4,7 +4,9 @@ import math
 
 import pytest
 import torch
-from memfit.estimate.memory import GIB, TrainStep, estimate_training_step, measure_training_step
+from memfit.estimate.steps import estimate_training_step, measure_training_step
+from memfit.estimate.tracker import GIB
+from memfit.step import TrainStep
 from moremouse_triplane.baselines import NaiveSelfAttention
 from moremouse_triplane.model import SelfAttention
 from moremouse_triplane.system import budget_entries

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from memfit.errors import UsageError, console
-from memfit.estimate.memory import GIB, estimate_training_step, measure_training_step
+from memfit.estimate.steps import estimate_training_step, measure_training_step
+from memfit.estimate.tracker import GIB
 from memfit.system import available_systems, load_system
 from memfit.train.flags import Parser
 from memfit.train.outputs import output_dir, write_file, write_text

@@ -131,7 +131,7 @@ def budget_rows(system: str | None = None, device: str = "cpu", ran: dict | None
     ``ran``: a dict the op implementations the estimates chose are added to ({(op, impl): calls})."""
     from tqdm import tqdm
 
-    from memfit.estimate.memory import estimate_training_step
+    from memfit.estimate.steps import estimate_training_step
 
     names = sorted(available_systems()) if system is None else [system]
     entries: list[tuple[str, BudgetEntry]] = [(n, e) for n in names for e in load_system(n).budgets()]

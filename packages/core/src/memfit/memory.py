@@ -1,10 +1,10 @@
 """The name a step file of yours imports: ``from memfit.memory import TrainStep`` (see README, `memfit
 estimate`).
 
-The estimator lives in ``memfit.estimate``; this module is the public spelling of its step description,
-which user files written for earlier versions import. memfit's own code imports ``memfit.estimate.memory``.
+This is the public spelling of the step description; it lives in ``memfit.step`` (with
+``default_optimizer`` and ``AMP_DTYPES``), which memfit's own code imports.
 """
 
-from memfit.estimate.memory import TrainStep
+from memfit.step import AMP_DTYPES, TrainStep, default_optimizer
 
-__all__ = ["TrainStep"]
+__all__ = ["AMP_DTYPES", "TrainStep", "default_optimizer"]

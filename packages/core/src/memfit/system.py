@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 from memfit.errors import ModelFileError, ModelFileMissing, UsageError, console, first_line
 
 if TYPE_CHECKING:  # torch and the estimator load on first use: `memfit systems` and `--help` stay fast
-    from memfit.estimate.memory import MemoryReport, TrainStep
+    from memfit.estimate.tracker import MemoryReport
+    from memfit.step import TrainStep
 
 ENTRY_POINT_GROUP = "memfit.systems"
 SHIPPED = "shipped"  # `--run shipped`: the weights a system ships in its package

@@ -16,7 +16,7 @@ from memfit.system import BudgetEntry, Scaling, System
 from ginr_cifar.config import GINRConfig, get_config
 
 if TYPE_CHECKING:  # torch loads when a step is built: `memfit systems` and `--help` stay fast
-    from memfit.estimate.memory import TrainStep
+    from memfit.step import TrainStep
 
 BATCH = 64
 NUM_COORDS = 1024
@@ -28,7 +28,7 @@ def ginr_step(cfg: GINRConfig, batch: int, num_coords: int, amp: Any = "bf16") -
     torch dtype, None, or its name ("bf16", "fp16", "none")."""
     import torch
     import torch.nn.functional as F
-    from memfit.estimate.memory import AMP_DTYPES, TrainStep
+    from memfit.step import AMP_DTYPES, TrainStep
 
     from ginr_cifar.model import GINR
 

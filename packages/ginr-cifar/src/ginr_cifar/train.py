@@ -92,7 +92,7 @@ def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int
     """Time encode vs decode (forward, ms) and measure peak memory of each and of a training step (MiB)."""
     import torch
     import torch.nn.functional as F
-    from memfit.estimate.memory import measure_peak
+    from memfit.estimate.steps import measure_peak
     from memfit.train.loop import autocast_context
 
     images, coords, target = batch
@@ -130,7 +130,7 @@ def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int
 def main(argv: list[str] | None = None) -> dict:
     run = build_parser().parse(argv)
     import torch
-    from memfit.estimate.memory import AMP_DTYPES
+    from memfit.step import AMP_DTYPES
     from memfit.train.distributed import dist_info
     from memfit.train.loop import Trainer, WarmupCosine, set_seed, step_generator
 

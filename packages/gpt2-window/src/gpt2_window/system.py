@@ -10,7 +10,7 @@ from memfit.system import BudgetEntry, Scaling, System
 from gpt2_window.config import GPTConfig, get_config
 
 if TYPE_CHECKING:  # torch loads when a step is built: `memfit systems` and `--help` stay fast
-    from memfit.estimate.memory import TrainStep
+    from memfit.step import TrainStep
 
 PAPER_BATCH, PAPER_T = 4, 1024
 
@@ -19,7 +19,7 @@ def gpt_step(cfg: GPTConfig, batch: int, T: int, amp_dtype: Any = "bf16") -> Tra
     """One training step of GPT(cfg) on random tokens (batch, T), with the AdamW the app trains with;
     amp_dtype: a torch dtype, None, or its name ("bf16", "fp16", "none")."""
     import torch
-    from memfit.estimate.memory import AMP_DTYPES, TrainStep
+    from memfit.step import AMP_DTYPES, TrainStep
 
     from gpt2_window.model import GPT, make_optimizer
 

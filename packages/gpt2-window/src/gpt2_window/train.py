@@ -110,7 +110,7 @@ def run(argv: list[str] | None = None) -> dict:
     """main() returning its results (for tests and scripts)."""
     r = build_parser().parse(argv)
     import torch
-    from memfit.estimate.memory import AMP_DTYPES
+    from memfit.step import AMP_DTYPES
     from memfit.train.checkpoint import latest_checkpoint, load_checkpoint
     from memfit.train.distributed import dist_info
     from memfit.train.loop import Trainer, WarmupCosine, step_generator

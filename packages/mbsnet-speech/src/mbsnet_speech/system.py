@@ -12,7 +12,7 @@ from memfit.system import BudgetEntry, Scaling, System
 from mbsnet_speech.config import LossWeights, MBSNetConfig, default_config, seed_config, tiny_config
 
 if TYPE_CHECKING:
-    from memfit.estimate.memory import TrainStep
+    from memfit.step import TrainStep
 
 HOP = 100
 BUDGET_GIB = 4.0
@@ -33,7 +33,7 @@ def train_step(
     """A full training step (forward, MP-SENet losses or `weights`', backward, AdamW) on random (noisy,
     clean) audio; amp: a torch dtype, None, or its name ("bf16", "fp16", "none")."""
     import torch
-    from memfit.estimate.memory import AMP_DTYPES, TrainStep
+    from memfit.step import AMP_DTYPES, TrainStep
 
     from mbsnet_speech.losses import enhancement_loss
     from mbsnet_speech.model import MBSNet

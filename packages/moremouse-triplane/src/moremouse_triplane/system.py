@@ -10,7 +10,7 @@ from moremouse_triplane.config import TriplaneConfig, get_config
 
 if TYPE_CHECKING:  # torch loads when a step is built: `memfit systems` and `--help` stay fast
     import torch
-    from memfit.estimate.memory import TrainStep
+    from memfit.step import TrainStep
 
 PAPER_BATCH = 4
 
@@ -43,7 +43,7 @@ def random_batch(cfg: TriplaneConfig, batch: int, device: torch.device) -> dict[
 def train_step(cfg: TriplaneConfig, batch: int, amp_dtype: Any = "bf16") -> TrainStep:
     """One training step of the whole system: encoder, transformer, upsampler and rendering the rays;
     amp_dtype: a torch dtype, None, or its name ("bf16", "fp16", "none")."""
-    from memfit.estimate.memory import AMP_DTYPES, TrainStep
+    from memfit.step import AMP_DTYPES, TrainStep
 
     from moremouse_triplane.model import build_model
 

@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Parse flags, train, return the last metrics (see --help)."""
     run = build_parser().parse(argv)
     import torch
-    from memfit.estimate.memory import AMP_DTYPES
+    from memfit.step import AMP_DTYPES
     from memfit.train.distributed import dist_info
     from memfit.train.loop import Trainer, WarmupCosine, set_seed, step_generator
 

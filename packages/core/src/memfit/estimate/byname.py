@@ -25,9 +25,9 @@ import torch
 from torch import nn
 
 from memfit.errors import UsageError, first_line
-from memfit.estimate.memory import AMP_DTYPES, TrainStep, default_optimizer
 from memfit.estimate.trace import Target, make_target, parse_dtype, parse_input
 from memfit.estimate.trace import load_target as load_callable_target
+from memfit.step import AMP_DTYPES, TrainStep, default_optimizer
 
 PREFIXES = ("hf:", "timm:", "torchvision:")
 IMAGE_BATCH = 8  # the batch an image model is estimated at when --input is not given

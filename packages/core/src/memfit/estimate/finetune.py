@@ -24,8 +24,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from memfit.errors import UsageError, first_line
-from memfit.estimate.memory import TrainStep
 from memfit.estimate.trace import Target
+from memfit.step import TrainStep
 
 
 @dataclass

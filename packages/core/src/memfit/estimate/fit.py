@@ -24,7 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from memfit.estimate.memory import GIB, MemoryReport, estimate_training_step
+from memfit.estimate.steps import estimate_training_step
+from memfit.estimate.tracker import GIB, MemoryReport
 
 #: The one margin: a step may plan on (1 - MARGIN) of what its device has.
 MARGIN = 0.10

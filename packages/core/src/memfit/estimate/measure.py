@@ -32,8 +32,10 @@ from memfit.errors import UsageError
 from memfit.estimate import rules as kernels
 from memfit.estimate import workspaces
 from memfit.estimate.fit import needed_bytes
-from memfit.estimate.memory import GIB, WORKSPACES, MemoryReport, TrainStep, _run_step, estimate_training_step
+from memfit.estimate.steps import _run_step, estimate_training_step
+from memfit.estimate.tracker import GIB, WORKSPACES, MemoryReport
 from memfit.ops import registry
+from memfit.step import TrainStep
 
 NO_GPU = (
     "error: --measure needs a CUDA GPU (torch.cuda.is_available() is False here); run it on a machine "

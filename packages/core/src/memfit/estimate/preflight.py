@@ -26,8 +26,10 @@ from memfit.errors import UsageError, first_line
 from memfit.estimate import rules as kernels
 from memfit.estimate import workspaces
 from memfit.estimate.fit import MARGIN, needed_bytes, usable_bytes
-from memfit.estimate.memory import GIB, TrainStep, estimate_training_step
+from memfit.estimate.steps import estimate_training_step
+from memfit.estimate.tracker import GIB
 from memfit.ops import registry
+from memfit.step import TrainStep
 
 MemoryStep = Callable[[int, bool], TrainStep]  # (batch size, activation checkpointing) -> the step
 

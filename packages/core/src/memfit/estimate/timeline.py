@@ -25,7 +25,6 @@ from typing import Any
 from memfit.errors import UsageError, os_error_message
 from memfit.estimate import allocator
 from memfit.estimate.cuda_memory import allocator_config
-from memfit.estimate.memory import WORKSPACES
 from memfit.estimate.trace import (
     BORN,
     CAT,
@@ -40,6 +39,7 @@ from memfit.estimate.trace import (
     Trace,
     fmt_bytes,
 )
+from memfit.estimate.tracker import WORKSPACES
 
 # the picture's layers, bottom up: (label, colour)
 LAYERS = (
