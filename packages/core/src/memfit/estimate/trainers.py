@@ -76,7 +76,7 @@ def _tensor_like(t: torch.Tensor, mode: FakeTensorMode | None) -> torch.Tensor:
     meta device when that is the default, else a real copy on the default device (a measurement)."""
     if mode is not None:
         if t.device.type == "cpu":
-            out = mode.from_tensor(t.detach(), static_shapes=True)
+            out = mode.from_tensor(t, static_shapes=True)
         else:
             with no_dispatch():
                 meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
