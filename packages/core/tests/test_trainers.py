@@ -397,3 +397,26 @@ def test_shrink_for_accumulation_keeps_the_global_batch():
     assert trainers.shrink_for_accumulation(8, 3) == 2
     assert trainers.shrink_for_accumulation(7, 6) == 1
     assert trainers.shrink_for_accumulation(8, 0) == 0
+
+
+def test_hf_callback_added_late_still_refuses_before_any_step_and_hooks_no_step(tmp_path):
+    from memfit.integrations.hf import MemfitCallback
+
+    model, args = gpt2(), hf_args(tmp_path)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens())
+    b, gib = gpu_between(hf_totals(model, args, 5), 4)
+    trainer.add_callback(MemfitCallback(gib))  # after __init__: runs at on_train_begin
+    seen, weights = batches_seen(trainer), state(model)
+    with pytest.raises(memfit.DoesNotFit, match=f"batch {b} fits"):
+        trainer.train()
+    assert seen == [] and same(state(model), weights)
+    trainer.callback_handler.pop_callback(MemfitCallback)
+    trainer.add_callback(MemfitCallback(gib, auto_batch=True))
+    with pytest.raises(UsageError, match=r"pass MemfitCallback in Trainer\(callbacks="):
+        trainer.train()  # too late to change the batch: said, not done
+    assert seen == [] and args.per_device_train_batch_size == 4
+    base = transformers.TrainerCallback
+    hooks = {
+        n for n in dir(base) if n.startswith("on_") and getattr(MemfitCallback, n) is not getattr(base, n)
+    }
+    assert hooks == {"on_init_end", "on_train_begin", "on_train_end"}  # nothing per step
