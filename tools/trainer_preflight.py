@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -186,6 +187,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["overhead", "side-by-side", "child"])
     p.add_argument("--cap_gib", type=float, default=3.0, help="side-by-side: address space above start-up")
+    p.add_argument("--repeats", type=int, default=3, help="overhead: alternating runs of each; medians")
     p.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.what == "child":
@@ -194,8 +196,15 @@ def main() -> None:
         print(json.dumps(out))
         return
     if a.what == "overhead":
-        plain, memfit = _child("overhead", "0"), _child("overhead", "1")
-        print("GPT-2 124M, Trainer, per-device batch 8 x 1024, 1 thread: train() to the first step")
+        runs = [(_child("overhead", "0"), _child("overhead", "1")) for _ in range(a.repeats)]
+        bad = [r["error"] for pair in runs for r in pair if "error" in r]
+        if bad:
+            raise SystemExit(f"error: a run failed: {bad[0]}")
+        plain = {"seconds": statistics.median(p["seconds"] for p, _ in runs)}
+        memfit = {**runs[-1][1], "seconds": statistics.median(m["seconds"] for _, m in runs)}
+        memfit["estimate_s"] = statistics.median(m["estimate_s"] for _, m in runs)
+        print(f"GPT-2 124M, Trainer, per-device batch 8 x 1024, 1 thread: train() to the first step "
+              f"(median of {a.repeats} alternating runs)")  # fmt: skip
         print(f"  without the callback: {plain.get('seconds', 0):.1f} s {plain.get('error', '')}")
         print(
             f"  with MemfitCallback(gpu_gib=80): {memfit.get('seconds', 0):.1f} s {memfit.get('error', '')}"

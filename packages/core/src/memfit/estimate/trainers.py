@@ -389,7 +389,7 @@ def capacity(device: str, gpu_gib: float | None) -> tuple[int, str]:
     have, what = available_bytes(torch.device(device))
     if have is None:
         raise UsageError(f"error: {what}: give gpu_gib, the memory to judge the step against")
-    return have, f"this machine's {what} ({fmt_bytes(have)})"
+    return have, f"{what} ({fmt_bytes(have)})"
 
 
 @dataclass

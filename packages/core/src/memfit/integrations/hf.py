@@ -164,6 +164,7 @@ class MemfitCallback(TrainerCallback):
         trainer._train_batch_size = args.train_batch_size
         print(
             f"[memfit] auto_batch: per-device batch {per_device} -> {b}, gradient accumulation "
-            f"{accumulation} -> {total // b} (global batch {total} per device unchanged)"
+            f"{accumulation} -> {total // b} (global batch {total} per device unchanged; the largest batch "
+            f"that fits is {fits})"
         )
         return True

@@ -122,5 +122,5 @@ class MemfitCallback(pl.Callback):
         trainer.accumulate_grad_batches = total // b
         print(
             f"[memfit] auto_batch: batch {c.batch} -> {b}, accumulate_grad_batches {accumulation} -> "
-            f"{total // b} (global batch {total} unchanged)"
+            f"{total // b} (global batch {total} unchanged; the largest batch that fits is {fits})"
         )
