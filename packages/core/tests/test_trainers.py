@@ -159,6 +159,7 @@ class Tokens(torch.utils.data.Dataset):
 def hf_args(tmp_path, batch=4, accumulation=1, **kw):
     return transformers.TrainingArguments(
         str(tmp_path),
+        data_seed=0,
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulation,
         max_steps=2,
@@ -277,6 +278,31 @@ def test_hf_callback_prints_what_memfit_estimate_says_and_on_the_cpu_a_real_step
             spec.loader.exec_module(mod)
             real = measure_training_step(mod.step())
             assert abs(got.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes
+
+
+def test_hf_callback_that_passes_leaves_the_run_as_it_was(tmp_path):
+    """The first batch is drawn with the random state kept: the run trains on the same shuffled batches,
+    to the same weights, as without the callback."""
+    from memfit.integrations.hf import MemfitCallback
+
+    runs = []
+    for callbacks in ([], [MemfitCallback(gpu_gib=1000)]):
+        model = gpt2()
+        trainer = transformers.Trainer(
+            model=model, args=hf_args(tmp_path), train_dataset=Tokens(), callbacks=callbacks
+        )
+        seen = []
+        step = trainer.training_step
+
+        def spy(m, inputs, *a, _step=step, _seen=seen, **k):
+            _seen.append(inputs["input_ids"].clone())
+            return _step(m, inputs, *a, **k)
+
+        trainer.training_step = spy
+        trainer.train()
+        runs.append((seen, state(model)))
+    (plain, w0), (checked, w1) = runs
+    assert len(plain) == 2 and all(torch.equal(a, b) for a, b in zip(plain, checked)) and same(w0, w1)
 
 
 class Nothing(torch.utils.data.IterableDataset):

@@ -49,6 +49,11 @@ from memfit.estimate.memory import GIB, TrainStep, default_optimizer
 from memfit.estimate.trace import Target, fmt_bytes
 
 
+class Untraceable(UsageError):
+    """The step could not be traced on fake tensors (data-dependent control flow, a custom kernel without
+    a fake implementation): one line naming where; the callbacks then train as configured."""
+
+
 class DoesNotFit(UsageError):
     """The training step will not fit the memory: one line naming the need, the memory, the largest batch
     that fits and what to try first. ``result`` is the estimate (an ``EstimateResult``, with ``fit`` and
@@ -437,8 +442,17 @@ def check(target: Target, gpu_gib: float | None = None, margin: float = MARGIN) 
         raise UsageError(f"error: margin is a fraction in [0, 1), e.g. 0.1; got {margin!r}")
     have, where = capacity(target.device, gpu_gib)
     t0 = time.perf_counter()
-    with _assumed(target.device):
-        result = estimate(target)
+    try:
+        with _assumed(target.device):
+            result = estimate(target)
+    except UsageError as e:
+        if not str(e).startswith("error: the training step failed"):
+            raise
+        why = str(e).rsplit(" (check", 1)[0]
+        raise Untraceable(
+            f"{why} (a branch on a tensor's values, or a kernel without a fake-tensor implementation, cannot "
+            "be traced: see docs/will-it-fit.md)"
+        ) from e
     needed = needed_bytes(result.trace.report, target.device)
     got = Check(result, target.knobs["batch"], needed, have, where, margin, time.perf_counter() - t0)
     result.fits = explain.Fits(where, needed, got.usable, None)

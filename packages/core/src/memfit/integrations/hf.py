@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from memfit.errors import UsageError
+from memfit.errors import UsageError, first_line
 
 try:
     from transformers import Trainer, TrainerCallback
@@ -58,7 +58,11 @@ def _optimizer(trainer: Trainer, model) -> Any:
         return trainer.optimizer
     given = getattr(trainer, "optimizer_cls_and_kwargs", None)
     cls, kwargs = given if given is not None else trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
-    return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+    try:
+        return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+    except Exception as e:  # noqa: BLE001 - an optimizer that needs more than its class and keywords
+        print(f"[memfit] pre-flight: {cls.__name__} not rebuilt ({first_line(e, 100)}); estimated with AdamW")
+        return None
 
 
 class MemfitCallback(TrainerCallback):
@@ -135,13 +139,9 @@ class MemfitCallback(TrainerCallback):
         setup = f"{target.describe}, checkpointing {ckpt}"
         try:
             c = trainers.check(target, self.gpu_gib, self.margin)
-        except trainers.DoesNotFit:
-            raise
-        except UsageError as e:
-            if str(e).startswith("error: the training step failed"):  # the tracer could not follow it
-                print(f"[memfit] pre-flight skipped, training unchanged: {str(e).removeprefix('error: ')}")
-                return False
-            raise
+        except trainers.Untraceable as e:
+            print(f"[memfit] pre-flight skipped, training unchanged: {str(e).removeprefix('error: ')}")
+            return False
         self.check = c
         print(c.line(setup))
         if c.fits:

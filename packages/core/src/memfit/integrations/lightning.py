@@ -95,11 +95,9 @@ class MemfitCallback(pl.Callback):
         setup = f"{target.describe}, precision {trainer.precision}"
         try:
             c = trainers.check(target, self.gpu_gib, self.margin)
-        except UsageError as e:
-            if str(e).startswith("error: the training step failed"):  # the tracer could not follow it
-                print(f"[memfit] pre-flight skipped, training unchanged: {str(e).removeprefix('error: ')}")
-                return
-            raise
+        except trainers.Untraceable as e:
+            print(f"[memfit] pre-flight skipped, training unchanged: {str(e).removeprefix('error: ')}")
+            return
         self.check = c
         print(c.line(setup))
         if c.fits:
