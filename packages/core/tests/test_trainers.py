@@ -350,7 +350,7 @@ def test_hf_callback_bad_settings_are_one_line_and_leave_training_unchanged(tmp_
 # ----------------------------------------------------------------------------------------------------
 
 
-def lightning_module(batch_size: int = 4):
+def lightning_module(batch_size: int = 4, branchy: bool = False):
     pl = pytest.importorskip("lightning.pytorch")
 
     class TinyLM(pl.LightningModule):
@@ -364,6 +364,8 @@ def lightning_module(batch_size: int = 4):
             self.seen.append(batch.shape[0])
             loss = self.net(input_ids=batch, labels=batch).loss
             self.log("loss", loss)
+            if branchy and batch.sum() < 0:  # a branch on the batch's values: the trace cannot follow it
+                return loss * 2
             return loss
 
         def configure_optimizers(self):
@@ -446,3 +448,39 @@ def test_hf_callback_added_late_still_refuses_before_any_step_and_hooks_no_step(
         n for n in dir(base) if n.startswith("on_") and getattr(MemfitCallback, n) is not getattr(base, n)
     }
     assert hooks == {"on_init_end", "on_train_begin", "on_train_end"}  # nothing per step
+
+
+def test_a_tensor_on_another_device_becomes_a_fake_cpu_tensor_of_its_shape():
+    """A GPU-resident model's tensors (here meta ones: not on the CPU either) are copied by shape, onto the
+    fake CPU device the estimator runs on; no real memory is read or made."""
+    from memfit.estimate.memory import fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    p = torch.nn.Parameter(torch.empty(3, 5, device="meta", dtype=torch.bfloat16))
+    with fake_mode() as mode:
+        f = trainers._tensor_like(p, mode)
+    assert isinstance(f, torch.nn.Parameter) and isinstance(f.data, FakeTensor) and f.requires_grad
+    assert f.shape == (3, 5) and f.dtype == torch.bfloat16 and f.data.fake_device == torch.device("cpu")
+
+
+def test_lightning_bad_settings_are_one_line_and_leave_training_unchanged(capsys):
+    from memfit.integrations.lightning import MemfitCallback
+
+    pl, module = lightning_module()
+    module.train_dataloader = lambda: torch.utils.data.DataLoader(torch.zeros(0, SEQ, dtype=torch.long))
+    with pytest.raises(UsageError, match="gave no batch"):
+        lightning_trainer(pl, MemfitCallback(8)).fit(module)
+    pl, module = lightning_module()
+    b, gib = gpu_between(lightning_totals(module, 5), 4)
+    del module.batch_size  # auto_batch has nothing to set: said, and nothing changed
+    module.train_dataloader = lambda: torch.utils.data.DataLoader(
+        torch.randint(0, VOCAB, (32, SEQ)), batch_size=4
+    )
+    with pytest.raises(UsageError, match="batch_size` attribute"):
+        lightning_trainer(pl, MemfitCallback(gib, auto_batch=True)).fit(module)
+    assert module.seen == []
+    pl, module = lightning_module(branchy=True)
+    trainer = lightning_trainer(pl, MemfitCallback(gpu_gib=1e-3, auto_batch=True))
+    trainer.fit(module)
+    assert "[memfit] pre-flight skipped, training unchanged" in capsys.readouterr().out
+    assert module.seen == [4, 4] and module.batch_size == 4 and trainer.accumulate_grad_batches == 1
