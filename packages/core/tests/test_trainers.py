@@ -484,3 +484,16 @@ def test_lightning_bad_settings_are_one_line_and_leave_training_unchanged(capsys
     trainer.fit(module)
     assert "[memfit] pre-flight skipped, training unchanged" in capsys.readouterr().out
     assert module.seen == [4, 4] and module.batch_size == 4 and trainer.accumulate_grad_batches == 1
+
+
+def test_hf_callback_traces_the_trainers_activation_checkpointing(tmp_path, capsys):
+    from memfit.integrations.hf import MemfitCallback
+
+    peaks = {}
+    for on in (False, True):
+        callback = MemfitCallback(gpu_gib=1000)
+        args = hf_args(tmp_path, activation_checkpointing=on)
+        transformers.Trainer(model=gpt2(), args=args, train_dataset=Tokens(), callbacks=[callback]).train()
+        assert f"checkpointing {'on' if on else 'off'}" in capsys.readouterr().out
+        peaks[on] = callback.check.result.by_category["activations"]
+    assert peaks[True] < peaks[False]
