@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 uv run python tools/trainer_preflight.py overhead
         GPT-2 124M (transformers' GPT2Config defaults) in Hugging Face's Trainer, per-device batch 8 x 1024
         tokens: seconds from train() to the first training step without and with MemfitCallback
-        (gpu_gib=80, a CUDA estimate), and the callback's own line. The first step is not run.
+        (gpu_gib=80, a CUDA estimate), and the callback's own line; then gpu_gib=12 (it does not fit):
+        seconds to the refusal, and with auto_batch to the first step. The first step is not run.
     OMP_NUM_THREADS=1 uv run python tools/trainer_preflight.py side-by-side [--cap_gib 3]
         A small GPT-2 under an address-space limit (ulimit -v: the CPU's "out of memory" is a real
         allocation failure there), starting at per-device batch 64: Hugging Face's auto_find_batch_size
@@ -75,30 +76,37 @@ def _spy_first_step(trainer, sizes: list) -> None:
     trainer.training_step = spy
 
 
-def overhead(with_callback: bool) -> dict:
+def overhead(mode: str) -> dict:
+    """mode 0: no callback; 1: MemfitCallback(gpu_gib=80), which fits; 2: gpu_gib=12, which refuses;
+    3: gpu_gib=12 with auto_batch."""
     import torch
 
     torch.set_num_threads(1)
     callbacks = []
-    if with_callback:
+    if mode != "0":
         from memfit.integrations.hf import MemfitCallback
 
-        callbacks = [MemfitCallback(gpu_gib=80)]
+        callbacks = [MemfitCallback(gpu_gib=80 if mode == "1" else 12, auto_batch=mode == "3")]
     trainer = _hf_trainer({}, 1024, 8, callbacks)
     reached = []
 
     def stop(model, inputs, *a, **k):  # the first step is where the measurement ends
-        reached.append(time.perf_counter())
+        reached.append((time.perf_counter(), int(inputs["input_ids"].shape[0])))
         raise FirstStep
 
     trainer.training_step = stop
     t0 = time.perf_counter()
-    with contextlib.suppress(FirstStep):
+    out = {}
+    try:
         trainer.train()
-    out = {"seconds": reached[0] - t0}
-    if with_callback:
+    except FirstStep:
+        out = {"seconds": reached[0][0] - t0, "batch": reached[0][1]}
+    except Exception as e:  # DoesNotFit: the time to the refusal
+        out = {"seconds": time.perf_counter() - t0, "refused": str(e)}
+    if callbacks:
         out["line"] = callbacks[0].check.line()
         out["estimate_s"] = callbacks[0].check.seconds
+        out["accumulation"] = trainer.args.gradient_accumulation_steps
     return out
 
 
@@ -192,7 +200,7 @@ def main() -> None:
     a = p.parse_args()
     if a.what == "child":
         kind, *more = a.rest
-        out = overhead(more[0] == "1") if kind == "overhead" else side(more[0], float(more[1]))
+        out = overhead(more[0]) if kind == "overhead" else side(more[0], float(more[1]))
         print(json.dumps(out))
         return
     if a.what == "overhead":
@@ -212,6 +220,13 @@ def main() -> None:
         print(f"  added: {memfit.get('seconds', 0) - plain.get('seconds', 0):.1f} s "
               f"(the estimate itself {memfit.get('estimate_s', 0):.1f} s)")  # fmt: skip
         print(f"  {memfit.get('line', '')}")
+        refused, auto = _child("overhead", "2"), _child("overhead", "3")
+        print(f"  MemfitCallback(gpu_gib=12): refused after {refused.get('seconds', 0):.1f} s: "
+              f"{refused.get('refused', refused.get('error'))}")  # fmt: skip
+        print(f"  MemfitCallback(gpu_gib=12, auto_batch=True): first step after "
+              f"{auto.get('seconds', 0):.1f} s "
+              f"at per-device batch {auto.get('batch')}, accumulation {auto.get('accumulation')} "
+              f"{auto.get('error', '')}")  # fmt: skip
         return
     print(f"small GPT-2 {SMALL}, address space capped {a.cap_gib:g} GiB above start-up, 1 thread, "
           f"per-device batch {START} to start")  # fmt: skip

@@ -95,12 +95,12 @@ def _tensor_like(t: torch.Tensor, mode: FakeTensorMode | None) -> torch.Tensor:
     return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out
 
 
-def model_copy(model: nn.Module, keep: Iterable[Any] = ()) -> tuple[nn.Module, dict[int, torch.Tensor]]:
+def model_copy(model: nn.Module, leave_out: Iterable[Any] = ()) -> tuple[nn.Module, dict[int, torch.Tensor]]:
     """A deep copy of `model` whose tensors are fake under the active FakeTensorMode (no memory), meta on
     the meta device, else real copies; in training mode. Returns it and {id(original parameter): copy}.
-    The objects in `keep` (a trainer the module points back to) become None in the copy."""
+    The objects in `leave_out` (a trainer the module points back to) are None in the copy."""
     mode = _active_fake_mode()
-    memo: dict[int, Any] = {id(o): None for o in keep}
+    memo: dict[int, Any] = {id(o): None for o in leave_out}
     params: dict[int, torch.Tensor] = {}
     for mod in model.modules():
         found = [*mod._parameters.values(), *mod._buffers.values()]
@@ -317,7 +317,7 @@ def user_target(
     optimizer: torch.optim.Optimizer | None = None,
     amp: str | torch.dtype | None = None,
     device: str = "cuda",
-    keep: Iterable[Any] = (),
+    leave_out: Iterable[Any] = (),
     label: str | None = None,
 ) -> Target:
     """A Target (knob: the batch) for one training step of a real model on its real batch."""
@@ -327,7 +327,7 @@ def user_target(
     spec = BatchSpec.of(batch)
     amp_dtype = _amp(amp)
     loss = own_loss if loss_fn is None else loss_fn
-    keep = tuple(keep)
+    leave_out = tuple(leave_out)
     if optimizer is not None:
         unwrap_optimizer(optimizer)  # a wrong object is one line now, not in the trace
 
@@ -335,7 +335,7 @@ def user_target(
         params: dict[int, torch.Tensor] = {}
 
         def build() -> nn.Module:
-            out, found = model_copy(model, keep)
+            out, found = model_copy(model, leave_out)
             params.clear()
             params.update(found)
             return out

@@ -90,7 +90,7 @@ class MemfitCallback(pl.Callback):
             optimizers[0] if optimizers else None,
             _AMP.get(str(trainer.precision)),
             device,
-            keep=(trainer,),
+            leave_out=(trainer,),
         )
         setup = f"{target.describe}, precision {trainer.precision}"
         try:
