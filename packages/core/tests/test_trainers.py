@@ -497,3 +497,31 @@ def test_hf_callback_traces_the_trainers_activation_checkpointing(tmp_path, caps
         assert f"checkpointing {'on' if on else 'off'}" in capsys.readouterr().out
         peaks[on] = callback.check.result.by_category["activations"]
     assert peaks[True] < peaks[False]
+
+
+def test_plain_preflight_of_a_tuple_batch_scales_every_tensor_that_shares_the_batch_axis():
+    import torch.nn.functional as F
+
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.Flatten(),
+            torch.nn.Linear(16 * 16 * 16, 10),
+        )
+
+    def loss_fn(m, b):
+        return F.cross_entropy(m(b[0]), b[1])
+
+    def batch(n):
+        return torch.randn(n, 3, 16, 16), torch.randint(0, 10, (n,))
+
+    model = net()
+    est = memfit.preflight(model, batch(8), loss_fn, device="cpu", amp="bf16", gpu_gib=64)
+    real = measure_training_step(TrainStep(net, lambda d: batch(8), loss_fn, amp_dtype=torch.bfloat16))
+    assert abs(est.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes
+    totals = {n: memfit.preflight(model, batch(n), loss_fn, gpu_gib=1000).total_bytes for n in (8, 64, 65)}
+    assert totals[8] < totals[64] < totals[65]
+    gib = (totals[64] + totals[65]) / 2 / (1 - MARGIN) / GIB  # the largest that fits lies in [64, 65)
+    assert memfit.largest_batch(model, batch(8), loss_fn, gpu_gib=gib) == 64
