@@ -45,7 +45,7 @@ from memfit.errors import UsageError
 from memfit.estimate import EstimateResult, cuda_kernels_assumed, estimate, explain, gpu_card, workspaces
 from memfit.estimate import rules as kernels
 from memfit.estimate.fit import CPU_OVERHEAD, MARGIN, needed_bytes, usable_bytes
-from memfit.estimate.memory import GIB, TrainStep, default_optimizer
+from memfit.estimate.memory import GIB, WORKSPACES, TrainStep, default_optimizer
 from memfit.estimate.trace import Target, fmt_bytes
 
 
@@ -349,9 +349,9 @@ def user_target(
         )
 
     name = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
+    loss_name = "the model's own" if loss_fn is None else getattr(loss_fn, "__name__", "yours")
     describe = (
-        f"{type(model).__name__}, batch {spec.describe()}, loss "
-        f"{'the model own' if loss_fn is None else getattr(loss_fn, '__name__', 'yours')}, "
+        f"{type(model).__name__}, batch {spec.describe()}, loss {loss_name}, "
         f"{optimizer_name(optimizer)}, autocast {name}"
     )
     target = Target(label or type(model).__name__, make, {"batch": spec.size}, describe)
@@ -432,8 +432,10 @@ class Check:
 
 
 def _split(cats: dict[str, int]) -> str:
-    keys = ("params", "grads", "optimizer", "activations")
-    return " + ".join(f"{k} {fmt_bytes(cats.get(k, 0))}" for k in keys)
+    text = " + ".join(
+        f"{k} {fmt_bytes(cats.get(k, 0))}" for k in ("params", "grads", "optimizer", "activations")
+    )
+    return text + (f" + CUDA library workspaces {fmt_bytes(cats[WORKSPACES])}" if WORKSPACES in cats else "")
 
 
 def check(target: Target, gpu_gib: float | None = None, margin: float = MARGIN) -> Check:

@@ -52,6 +52,9 @@ def _training_step_loss(module: pl.LightningModule, batch: Any) -> Any:
     return out
 
 
+_training_step_loss.__name__ = "training_step"
+
+
 class MemfitCallback(pl.Callback):
     """The memory pre-flight of a Lightning fit (see the module docstring). ``gpu_gib``: the GPU's memory
     (default: the visible GPU's); ``auto_batch``: shrink the batch to one that fits, raising
