@@ -77,6 +77,9 @@ def test_plain_loop_refuses_the_batch_that_does_not_fit_and_names_the_one_that_d
     assert "\n" not in msg and f"batch {b} fits" in msg and "try first:" in msg and "largest:" in msg
     assert same(state(model), weights) and torch.equal(batch["input_ids"], ids) and not opt.state
     assert memfit.largest_batch(model, batch, None, opt, gpu_gib=gib) == b
+    one = memfit.preflight(model, lm_batch(1), None, opt, gpu_gib=1000)
+    two = memfit.preflight(model, lm_batch(1), None, opt, gpu_gib=1000, ranks=2)  # DDP: + gradient buckets
+    assert two.fits.needed_bytes == one.fits.needed_bytes + one.by_category["params"]
     # the loop then trains at b: the step at b passes the same pre-flight
     assert memfit.preflight(model, lm_batch(b), None, opt, gpu_gib=gib).total_bytes == totals[b]
 

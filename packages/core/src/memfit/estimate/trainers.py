@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from memfit.errors import UsageError
 from memfit.estimate import EstimateResult, cuda_kernels_assumed, estimate, explain, gpu_card, workspaces
 from memfit.estimate import rules as kernels
-from memfit.estimate.fit import CPU_OVERHEAD, MARGIN, needed_bytes, usable_bytes
+from memfit.estimate.fit import CPU_OVERHEAD, MARGIN, usable_bytes
 from memfit.estimate.memory import GIB, WORKSPACES, TrainStep, default_optimizer
 from memfit.estimate.trace import Target, fmt_bytes
 
@@ -408,6 +408,7 @@ class Check:
     where: str
     margin: float
     seconds: float
+    ranks: int = 1  # data-parallel (DDP) processes: each needs one more copy of the gradients
 
     @property
     def usable(self) -> int:
@@ -424,6 +425,7 @@ class Check:
         need = "card total" if r.cuda is not None else f"x{CPU_OVERHEAD:g} malloc overhead"
         verdict = "fits" if self.fits else "does NOT fit"
         setup = f" ({setup})" if setup else ""
+        need += f", per rank of {self.ranks} (DDP)" if self.ranks > 1 else ""
         return (
             f"[memfit] pre-flight{setup}: batch {self.batch} {verdict}: {peak} {fmt_bytes(r.peak_bytes)} "
             f"({_split(r.by_category)}), needs {fmt_bytes(self.needed)} ({need}) of {fmt_bytes(self.usable)} "
@@ -438,10 +440,13 @@ def _split(cats: dict[str, int]) -> str:
     return text + (f" + CUDA library workspaces {fmt_bytes(cats[WORKSPACES])}" if WORKSPACES in cats else "")
 
 
-def check(target: Target, gpu_gib: float | None = None, margin: float = MARGIN) -> Check:
-    """Trace the target's step at its batch and judge it against the memory (no search)."""
+def check(target: Target, gpu_gib: float | None = None, margin: float = MARGIN, ranks: int = 1) -> Check:
+    """Trace the target's step at its batch and judge it against the memory (no search); with ``ranks``
+    > 1 what one DDP rank needs (``explain.per_rank_bytes``: its gradient buckets too)."""
     if not 0 <= margin < 1:
         raise UsageError(f"error: margin is a fraction in [0, 1), e.g. 0.1; got {margin!r}")
+    if ranks < 1:
+        raise UsageError(f"error: ranks is the number of data-parallel processes, at least 1; got {ranks!r}")
     have, where = capacity(target.device, gpu_gib)
     t0 = time.perf_counter()
     try:
@@ -455,8 +460,8 @@ def check(target: Target, gpu_gib: float | None = None, margin: float = MARGIN) 
             f"{why} (a branch on a tensor's values, or a kernel without a fake-tensor implementation, cannot "
             "be traced: see docs/will-it-fit.md)"
         ) from e
-    needed = needed_bytes(result.trace.report, target.device)
-    got = Check(result, target.knobs["batch"], needed, have, where, margin, time.perf_counter() - t0)
+    needed = explain.rank_needs(result.trace, ranks, "ddp", 0, target.device)
+    got = Check(result, target.knobs["batch"], needed, have, where, margin, time.perf_counter() - t0, ranks)
     result.fits = explain.Fits(where, needed, got.usable, None)
     return got
 
@@ -468,6 +473,7 @@ def fitting_batch(c: Check, target: Target, max_batch: int = 4096) -> int:
             target,
             c.capacity / GIB,
             c.margin,
+            ranks=c.ranks,
             max_batch=max_batch,
             base_trace=c.result.trace,
             device=target.device,
@@ -512,17 +518,19 @@ def preflight(
     device: str = "cuda",
     amp: str | torch.dtype | None = None,
     margin: float = MARGIN,
+    ranks: int = 1,
 ) -> EstimateResult:
     """The memory of one training step of ``model`` on ``batch``, before running it.
 
     ``loss_fn(model, batch)`` returns the loss (None: ``model(**batch).loss``); ``optimizer`` the optimizer
     you train with (None: fused AdamW); ``amp`` None, "bf16" or "fp16" (autocast); ``device`` "cuda" (what
     a CUDA run keeps, estimated on this CPU) or "cpu"; ``gpu_gib`` the GPU's memory (default: the visible
-    GPU's). Returns the estimate (``peak_bytes``, ``by_category``, ``top_tensors``, ``format()``; ``fits``
-    says what it needs of what); raises ``DoesNotFit`` when the step will not fit, naming the largest
+    GPU's); ``ranks`` the data-parallel (DDP) processes, each needing one more copy of the gradients for
+    its buckets. Returns the estimate (``peak_bytes``, ``by_category``, ``top_tensors``, ``format()``;
+    ``fits`` says what it needs of what); raises ``DoesNotFit`` when the step will not fit, naming the largest
     batch that does. The model and batch are not moved or changed."""
     target = user_target(model, batch, loss_fn, optimizer, amp, device)
-    c = check(target, gpu_gib, margin)
+    c = check(target, gpu_gib, margin, ranks)
     if not c.fits:
         raise does_not_fit(c, target, fitting_batch(c, target))
     return c.result
@@ -537,12 +545,13 @@ def largest_batch(
     device: str = "cuda",
     amp: str | torch.dtype | None = None,
     margin: float = MARGIN,
+    ranks: int = 1,
     max_batch: int = 4096,
 ) -> int:
     """The largest batch (scaling ``batch``'s leading dimension) whose training step fits, as
     ``preflight`` judges it; 0 when not even 1 does."""
     target = user_target(model, batch, loss_fn, optimizer, amp, device)
-    return fitting_batch(check(target, gpu_gib, margin), target, max_batch)
+    return fitting_batch(check(target, gpu_gib, margin, ranks), target, max_batch)
 
 
 def shrink_for_accumulation(total: int, fits: int) -> int:

@@ -137,8 +137,11 @@ class MemfitCallback(TrainerCallback):
         on = getattr(model, "is_gradient_checkpointing", False) if on is None else on
         ckpt = "on" if on else "off"
         setup = f"{target.describe}, checkpointing {ckpt}"
+        # DDP ranks each hold gradient buckets; FSDP and DeepSpeed shard, which this estimate does not model
+        sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled
+        ranks = 1 if sharded else max(1, args.world_size)
         try:
-            c = trainers.check(target, self.gpu_gib, self.margin)
+            c = trainers.check(target, self.gpu_gib, self.margin, ranks)
         except trainers.Untraceable as e:
             print(f"[memfit] pre-flight skipped, training unchanged: {str(e).removeprefix('error: ')}")
             return False

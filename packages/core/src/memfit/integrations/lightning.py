@@ -96,8 +96,12 @@ class MemfitCallback(pl.Callback):
             leave_out=(trainer,),
         )
         setup = f"{target.describe}, precision {trainer.precision}"
+        from lightning.pytorch.strategies import DDPStrategy
+
+        # DDP ranks each hold gradient buckets; sharded strategies are not modelled (judged as one process)
+        ranks = trainer.world_size if isinstance(trainer.strategy, DDPStrategy) else 1
         try:
-            c = trainers.check(target, self.gpu_gib, self.margin)
+            c = trainers.check(target, self.gpu_gib, self.margin, ranks)
         except trainers.Untraceable as e:
             print(f"[memfit] pre-flight skipped, training unchanged: {str(e).removeprefix('error: ')}")
             return
