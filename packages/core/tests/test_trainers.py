@@ -528,3 +528,15 @@ def test_plain_preflight_of_a_tuple_batch_scales_every_tensor_that_shares_the_ba
     assert totals[8] < totals[64] < totals[65]
     gib = (totals[64] + totals[65]) / 2 / (1 - MARGIN) / GIB  # the largest that fits lies in [64, 65)
     assert memfit.largest_batch(model, batch(8), loss_fn, gpu_gib=gib) == 64
+
+
+def test_a_lora_models_optimizer_holds_state_for_the_adapters_only():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(gpt2(), peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    est = memfit.preflight(model, lm_batch(2), None, opt, device="cpu", gpu_gib=64)
+    lora = sum(p.numel() * p.element_size() for p in trainable)
+    assert est.by_category["optimizer"] == 2 * lora + 4 * len(trainable)  # two moments and a step each
+    real = measure_training_step(trainers.user_target(model, lm_batch(2), None, opt, device="cpu").step())
+    assert abs(est.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes  # the fake copy, run for real
