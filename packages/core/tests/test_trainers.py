@@ -22,6 +22,7 @@ from memfit.errors import UsageError
 from memfit.estimate import trainers
 from memfit.estimate.fit import MARGIN
 from memfit.estimate.memory import GIB, TrainStep, measure_training_step
+from torch._subclasses.fake_tensor import is_fake
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -540,3 +541,26 @@ def test_a_lora_models_optimizer_holds_state_for_the_adapters_only():
     assert est.by_category["optimizer"] == 2 * lora + 4 * len(trainable)  # two moments and a step each
     real = measure_training_step(trainers.user_target(model, lm_batch(2), None, opt, device="cpu").step())
     assert abs(est.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes  # the fake copy, run for real
+
+
+def test_tensors_kept_in_a_modules_lists_and_dicts_are_copied_fake_too():
+    class Cached(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.tables = {"cos": torch.randn(16, 8)}  # not buffers: plain attributes in a dict and a list
+            self.history = [torch.zeros(8)]
+
+        def forward(self, x):
+            return self.lin(x) * self.tables["cos"][: x.shape[0]] + self.history[0]
+
+    def loss(m, x):
+        return m(x).sum()
+
+    model = Cached()
+    est = memfit.preflight(model, torch.randn(4, 8), loss, device="cpu", gpu_gib=8)
+    real = measure_training_step(trainers.user_target(model, torch.randn(4, 8), loss, device="cpu").step())
+    # the real copy makes them inside the measurement; the estimate, like `memfit estimate`, counts
+    # parameters and buffers as the model's state, not plain tensor attributes
+    attributes = (16 * 8 + 8) * 4
+    assert est.peak_bytes == real.peak_bytes - attributes and not is_fake(model.tables["cos"])

@@ -95,6 +95,18 @@ def _tensor_like(t: torch.Tensor, mode: FakeTensorMode | None) -> torch.Tensor:
     return out.requires_grad_(t.requires_grad) if out.is_floating_point() else out
 
 
+def _tensors_in(x: Any, depth: int = 2) -> list[torch.Tensor]:
+    """The tensors of an attribute: itself, or in its lists, tuples and dicts (two levels: a cache of
+    tensors, a metric's list state)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if depth and isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors_in(v, depth - 1)]
+    if depth and isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors_in(v, depth - 1)]
+    return []
+
+
 def model_copy(model: nn.Module, leave_out: Iterable[Any] = ()) -> tuple[nn.Module, dict[int, torch.Tensor]]:
     """A deep copy of `model` whose tensors are fake under the active FakeTensorMode (no memory), meta on
     the meta device, else real copies; in training mode. Returns it and {id(original parameter): copy}.
@@ -104,7 +116,9 @@ def model_copy(model: nn.Module, leave_out: Iterable[Any] = ()) -> tuple[nn.Modu
     params: dict[int, torch.Tensor] = {}
     for mod in model.modules():
         found = [*mod._parameters.values(), *mod._buffers.values()]
-        found += [v for v in vars(mod).values() if isinstance(v, torch.Tensor)]
+        for name, v in vars(mod).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                found += _tensors_in(v)
         for t in found:
             if t is not None and id(t) not in memo:
                 memo[id(t)] = _tensor_like(t, mode)
