@@ -338,6 +338,24 @@ def test_hf_callback_bad_settings_are_one_line_and_leave_training_unchanged(tmp_
     )
     with pytest.raises(UsageError, match="gave no batch"):
         trainer.train()
+
+    class OneShot(torch.utils.data.IterableDataset):  # a stream that cannot start over
+        def __init__(self):
+            self.items = iter(Tokens()[i] for i in range(8))
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return next(self.items)
+
+    stream = OneShot()
+    trainer = transformers.Trainer(
+        model=gpt2(), args=args, train_dataset=stream, callbacks=[MemfitCallback(8)]
+    )
+    with pytest.raises(UsageError, match="one-shot iterator"):
+        trainer.train()
+    assert len(list(stream.items)) == 8  # nothing taken from it
     callback = MemfitCallback(gpu_gib=1e-3, auto_batch=True)  # nothing could fit: only the skip saves it
     trainer = transformers.Trainer(
         model=ValueBranch(), args=args, train_dataset=Tokens(), callbacks=[callback]

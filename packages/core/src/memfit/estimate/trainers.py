@@ -603,6 +603,13 @@ def first_batch(loader: Any, what: str = "the train dataloader") -> Any:
         raise UsageError(
             f"error: {what} is missing: the pre-flight needs the first batch; give a train dataset"
         )
+    data = getattr(loader, "dataset", None)
+    if isinstance(data, torch.utils.data.IterableDataset) and iter(data) is data:
+        raise UsageError(
+            f"error: {what} reads a one-shot iterator (its __iter__ returns itself): taking the first batch "
+            "would take it from training; make __iter__ start over (a generator function), or call "
+            "memfit.preflight with a batch yourself"
+        )
     with rng_kept():
         it = iter(loader)
         try:
