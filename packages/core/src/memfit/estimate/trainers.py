@@ -202,7 +202,8 @@ def _build(spec: Any, batch: int, asked: int, device: torch.device) -> Any:
 @dataclass
 class BatchSpec:
     """A batch read as shapes: its structure (dicts, tuples, lists), and for each tensor its shape, dtype
-    and integer value range. ``size`` is the batch size: the first tensor's leading dimension."""
+    and integer value range. ``size`` is the batch size: the leading dimension of the first tensor that
+    has one."""
 
     tree: Any
     size: int
@@ -216,11 +217,12 @@ class BatchSpec:
                 f"error: the batch ({type(batch).__name__}) holds no tensor; pass the batch the model trains "
                 "on: a tensor, or a tuple, list or dict of them"
             )
-        if not leaves[0].shape:
+        sized = [leaf for leaf in leaves if leaf.shape]
+        if not sized:
             raise UsageError(
-                "error: the batch's first tensor is a scalar; its leading dimension is the batch"
+                "error: the batch holds only scalars; its first tensor's leading dimension is the batch"
             )
-        return cls(tree, leaves[0].shape[0])
+        return cls(tree, sized[0].shape[0])
 
     def make(self, device: torch.device, batch: int | None = None) -> Any:
         return _build(self.tree, self.size if batch is None else batch, self.size, device)
