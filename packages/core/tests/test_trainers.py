@@ -582,3 +582,20 @@ def test_tensors_kept_in_a_modules_lists_and_dicts_are_copied_fake_too():
     # parameters and buffers as the model's state, not plain tensor attributes
     attributes = (16 * 8 + 8) * 4
     assert est.peak_bytes == real.peak_bytes - attributes and not is_fake(model.tables["cos"])
+
+
+def test_hf_callback_reads_the_optimizer_args_optim_makes(tmp_path, capsys):
+    from memfit.integrations.hf import MemfitCallback
+
+    state_bytes = {}
+    for optim, name in (("sgd", "SGD"), ("adafactor", "Adafactor"), ("adamw_torch", "AdamW")):
+        callback = MemfitCallback(gpu_gib=1000, device="cpu")
+        args = hf_args(tmp_path / optim, optim=optim)
+        transformers.Trainer(model=gpt2(), args=args, train_dataset=Tokens(), callbacks=[callback]).train()
+        assert f", {name}," in capsys.readouterr().out
+        state_bytes[optim] = callback.check.result.by_category["optimizer"]
+    params = sum(p.numel() * 4 for p in gpt2().parameters())
+    # SGD without momentum keeps nothing, Adafactor its factored second moments, AdamW two full moments
+    assert (
+        state_bytes["sgd"] == 0 < state_bytes["adafactor"] < params < 2 * params < state_bytes["adamw_torch"]
+    )
