@@ -15,10 +15,13 @@ try:
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "estimate"]
+__all__ = ["__version__", "estimate", "preflight", "largest_batch", "DoesNotFit"]
+_PREFLIGHT = ("preflight", "largest_batch", "DoesNotFit")
 
 
 def __getattr__(name: str) -> Any:
     if name == "estimate":  # the callable module memfit.estimate (importing it also sets the attribute)
         return importlib.import_module("memfit.estimate")
+    if name in _PREFLIGHT:
+        return getattr(importlib.import_module("memfit.estimate.trainers"), name)
     raise AttributeError(f"module 'memfit' has no attribute {name!r}")
