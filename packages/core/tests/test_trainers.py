@@ -21,7 +21,9 @@ from memfit import cli
 from memfit.errors import UsageError
 from memfit.estimate import trainers
 from memfit.estimate.fit import MARGIN
-from memfit.estimate.memory import GIB, TrainStep, measure_training_step
+from memfit.estimate.steps import measure_training_step
+from memfit.estimate.tracker import GIB
+from memfit.step import TrainStep
 from torch._subclasses.fake_tensor import is_fake
 
 transformers = pytest.importorskip("transformers")
@@ -229,7 +231,7 @@ def test_hf_trainer_auto_batch_trains_at_the_batch_that_fits_with_the_global_bat
 
 STEP_FILE = """
 import torch, transformers
-from memfit.estimate.memory import TrainStep
+from memfit.step import TrainStep
 
 def step(batch: int = {batch}):
     config = transformers.GPT2Config(**{config}, use_cache=False)  # as the Trainer trains it
@@ -475,7 +477,7 @@ def test_hf_callback_added_late_still_refuses_before_any_step_and_hooks_no_step(
 def test_a_tensor_on_another_device_becomes_a_fake_cpu_tensor_of_its_shape():
     """A GPU-resident model's tensors (here meta ones: not on the CPU either) are copied by shape, onto the
     fake CPU device the estimator runs on; no real memory is read or made."""
-    from memfit.estimate.memory import fake_mode
+    from memfit.estimate.tracker import fake_mode
     from torch._subclasses.fake_tensor import FakeTensor
 
     p = torch.nn.Parameter(torch.empty(3, 5, device="meta", dtype=torch.bfloat16))

@@ -45,8 +45,9 @@ from memfit.errors import UsageError
 from memfit.estimate import EstimateResult, cuda_kernels_assumed, estimate, explain, gpu_card, workspaces
 from memfit.estimate import rules as kernels
 from memfit.estimate.fit import CPU_OVERHEAD, MARGIN, usable_bytes
-from memfit.estimate.memory import GIB, WORKSPACES, TrainStep, default_optimizer
 from memfit.estimate.trace import Target, fmt_bytes
+from memfit.estimate.tracker import GIB, WORKSPACES
+from memfit.step import TrainStep, default_optimizer
 
 
 class Untraceable(UsageError):
