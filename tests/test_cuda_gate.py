@@ -56,8 +56,8 @@ def test_gpu_jobs_check_cuda_before_testing():
     ci = (ROOT / ".github/workflows/ci.yml").read_text()
     gpu, kernels = _job(ci, "gpu"), _job(ci, "kernels")
     assert "--extra cuda" not in gpu and "uv sync --all-packages --frozen\n" in gpu
-    assert gpu.index("memfit doctor --require-cuda") < gpu.index("pytest -m cuda\n")
+    assert gpu.index("memfit doctor --require_cuda") < gpu.index("pytest -m cuda\n")
     assert "uv sync --all-packages --frozen --extra cuda\n" in kernels
-    assert kernels.index("memfit doctor --require-kernels") < kernels.index("pytest -m cuda_kernels")
+    assert kernels.index("memfit doctor --require_kernels") < kernels.index("pytest -m cuda_kernels")
     for job in (gpu, kernels):
         assert "if: github.event_name == 'push' && github.ref == 'refs/heads/main'" in job

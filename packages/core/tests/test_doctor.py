@@ -38,10 +38,10 @@ def test_doctor_without_cuda(capsys):
     cpu = [r for r in probes.RECORDS if r.device in ("cpu", "any")]
     assert all(f" {r.name} " in out for r in cpu)
     assert out.count("-> ") == len(probes.OPS)
-    code, out, err = run(["doctor", "--require-cuda"], capsys)
+    code, out, err = run(["doctor", "--require_cuda"], capsys)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1
-    assert err.startswith("memfit: error: --require-cuda: CUDA is not available")
+    assert err.startswith("memfit: error: --require_cuda: CUDA is not available")
 
 
 def test_doctor_names_why_the_cpu_kernel_is_not_used(monkeypatch, capsys):

@@ -97,7 +97,7 @@ def pick_system(argv: list[str]) -> tuple[str, list[str]]:
 
 def _dispatch(kind: str, argv: list[str] | None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv in (["--list"], ["--list-systems"]):
+    if argv in (["--list"], ["--list_systems"], ["--list-systems"]):  # the last: the older spelling
         for name in sorted(available_systems()):
             print(name)
         return
@@ -388,12 +388,14 @@ def _main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_plot)
     p = sub.add_parser("doctor", help="what each path (scan, conv, attention) uses on this machine, and why")
     p.add_argument(
-        "--require-cuda", action="store_true",
-        help="exit 2 unless CUDA works and every CUDA implementation installed passes its probe",
+        "--require_cuda", "--require-cuda", action="store_true",
+        help="exit 2 unless CUDA works and every CUDA implementation installed passes its probe "
+             "(--require-cuda: the older spelling, still accepted)",
     )  # fmt: skip
     p.add_argument(
-        "--require-kernels", action="store_true",
-        help="as --require-cuda, and every kernel of the cuda extra must be installed and pass its probe",
+        "--require_kernels", "--require-kernels", action="store_true",
+        help="as --require_cuda, and every kernel of the cuda extra must be installed and pass its probe "
+             "(--require-kernels: the older spelling, still accepted)",
     )  # fmt: skip
     p.set_defaults(func=_doctor)
     args = parser.parse_args(argv)

@@ -3,8 +3,8 @@
 It asks the registry (``memfit.ops.registry``), the same records every call site reads: for each op and
 device, each implementation from the highest priority down with its verdict (available, not installed,
 switched off, probe passed or FAILED: one tiny call against the op's reference on the GPU), and which one
-a call takes. ``--require-cuda`` exits 2 with one line unless CUDA works and every CUDA implementation that
-is installed passes its probe (the GPU CI job, no optional kernels); ``--require-kernels`` also needs every
+a call takes. ``--require_cuda`` exits 2 with one line unless CUDA works and every CUDA implementation that
+is installed passes its probe (the GPU CI job, no optional kernels); ``--require_kernels`` also needs every
 kernel of the ``cuda`` extra installed (the kernels CI job).
 """
 
@@ -54,7 +54,7 @@ OP_TITLES = {"scan": "Mamba scan", "conv": "Mamba conv", "attention": "window at
 
 
 def report(require_kernels: bool = False) -> tuple[list[str], list[str]]:
-    """(lines to print, problems that fail --require-cuda / --require-kernels)."""
+    """(lines to print, problems that fail --require_cuda / --require_kernels)."""
     available, why = cuda_state()
     lines = [
         "memfit doctor: the paths this machine takes",
@@ -101,7 +101,7 @@ def _usable(verdict: str) -> bool:
 
 def run(require_cuda: bool = False, require_kernels: bool = False) -> int:
     lines, problems = report(require_kernels)
-    flag = "--require-kernels" if require_kernels else "--require-cuda"
+    flag = "--require_kernels" if require_kernels else "--require_cuda"
     if (require_cuda or require_kernels) and problems:
         raise UsageError(f"error: {flag}: " + "; ".join(dict.fromkeys(problems)))
     print("\n".join(lines))
