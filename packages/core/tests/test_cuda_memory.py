@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from memfit import cli
 from memfit.errors import UsageError
-from memfit.estimate import fit, workspaces
-from memfit.estimate import rules as kernels
+from memfit.estimate import fit, rules, workspaces
 from memfit.estimate.steps import estimate_training_step
 from memfit.estimate.trace import BORN, DTYPE, FREED, MODULE, OP, SHAPE, trace_step
 from memfit.estimate.tracker import WORKSPACES
@@ -387,7 +386,7 @@ def test_under_autocast_cudas_rnn_runs_in_fp16_on_a_flat_fp16_copy_of_its_weight
         amp_dtype=torch.bfloat16,
     )
     tr = trace_step(step, device="cuda")
-    block = kernels.cuda_block_bytes
+    block = rules.cuda_block_bytes
     reserve = workspaces.cudnn_rnn_reserve_bytes("gru", 512, 200, 16, 2, 2)  # fp16: 2 bytes per value
     assert [r[0] for r in tr.records if r[DTYPE] == torch.uint8 and r[6]] == [block(reserve)] * 2
     outputs = [r for r in tr.records if r[SHAPE] == (200, 16, 512) and r[6]]

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from memfit.estimate import rules as kernels
+from memfit.estimate import rules
 from memfit.estimate.steps import estimate_training_step, measure_training_step
 from memfit.estimate.trace import SAVED, SHAPE, trace_step
 from memfit.step import TrainStep
@@ -52,7 +52,7 @@ def test_mkldnn_lstm_workspace_formula_matches_the_real_kernel(
         lstm(x)
     assert len(seen.calls) == 2 * (2 if bidirectional else 1)
     for shape, h, dtype, real in seen.calls:
-        assert kernels.mkldnn_lstm_workspace_bytes(*shape, h, dtype) == real, (shape, h, dtype)
+        assert rules.mkldnn_lstm_workspace_bytes(*shape, h, dtype) == real, (shape, h, dtype)
 
 
 @pytest.mark.parametrize("amp", [None, torch.bfloat16])
@@ -97,7 +97,7 @@ def _qkv(dtype, d=64, heads=4, kv_heads=4, length=100):
 def test_sdpa_backend_follows_cuda_rules(dtype, d, mask, kv_heads, expected):
     q, k, v = _qkv(dtype, d, kv_heads=kv_heads)
     attn_mask = torch.zeros(100, 100, dtype=dtype) if mask else None
-    assert kernels.sdpa_backend(q, k, v, attn_mask, kv_heads != 4) == expected
+    assert rules.sdpa_backend(q, k, v, attn_mask, kv_heads != 4) == expected
 
 
 def test_fused_attention_outputs_are_the_documented_ones():
@@ -155,7 +155,7 @@ def test_cuda_target_keeps_no_attention_scores(amp):
     assert len(lse) == 2 * 2, "each fused attention saves its fp32 log-sum-exp (B, H, L) for backward"
     # the tensors (the CUDA peak adds the libraries' workspaces, tens of MiB: a tiny model's whole peak)
     assert cuda.report.by_category["activations"] < cpu.report.by_category["activations"]
-    assert all(r[0] % kernels.CUDA_BLOCK == 0 for r in cuda.records)  # the caching allocator's blocks
+    assert all(r[0] % rules.CUDA_BLOCK == 0 for r in cuda.records)  # the caching allocator's blocks
 
 
 class _GroupedAttention(nn.Module):
@@ -207,12 +207,12 @@ def test_fp32_grouped_query_attention_takes_the_math_path_with_its_probabilities
     torch.manual_seed(0)
     block, x = _GroupedAttention(), torch.randn(2, 128, 64)
     q = torch.randn(2, 8, 128, 8)
-    assert kernels.sdpa_backend(q, q[:, :2], q[:, :2], None, True) == "math"
+    assert rules.sdpa_backend(q, q[:, :2], q[:, :2], None, True) == "math"
     with sdpa_kernel(SDPBackend.MATH), _Saved() as math_path:
         block(x).sum().backward()
     with _Saved() as cpu_default:
         block(x).sum().backward()
-    with FakeTensorMode(allow_non_fake_inputs=True), kernels.CudaRules(), _Saved() as cuda_target:
+    with FakeTensorMode(allow_non_fake_inputs=True), rules.CudaRules(), _Saved() as cuda_target:
         block(x).sum().backward()
     probabilities = ((2, 8, 128, 128), torch.float32)
     assert probabilities in math_path.seen and probabilities not in cpu_default.seen
@@ -253,13 +253,13 @@ def test_cuda_autocast_policy_matches_cudas_own_dispatcher(monkeypatch, name):
         for dtype in (torch.bfloat16, torch.float32):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 want = fn(torch.randn(4, 64, device="cuda", dtype=dtype)).dtype
-            with kernels.CudaRules(), torch.autocast("cpu", dtype=torch.bfloat16):
+            with rules.CudaRules(), torch.autocast("cpu", dtype=torch.bfloat16):
                 got = fn(torch.randn(4, 64, dtype=dtype)).dtype
             assert got == want, (name, dtype, got, want)
 
 
 def test_cuda_block_rounding():
-    assert [kernels.cuda_block_bytes(n) for n in (0, 1, 512, 513, 4096 + 1)] == [0, 512, 512, 1024, 4608]
+    assert [rules.cuda_block_bytes(n) for n in (0, 1, 512, 513, 4096 + 1)] == [0, 512, 512, 1024, 4608]
 
 
 def test_cuda_rules_reach_activation_checkpointings_recompute():

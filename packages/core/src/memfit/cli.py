@@ -195,14 +195,12 @@ def format_budget_table(rows: list[dict]) -> str:
 
 
 def _budget(args: argparse.Namespace) -> int:
-    from memfit.estimate import cuda_kernels_assumed, gpu_card
-    from memfit.estimate.rules import assume_kernels, assumed_target
-    from memfit.estimate.workspaces import assume_card, assumed_card
+    from memfit.estimate.target import DeviceTarget
 
     if args.system is not None and args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
         raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
-    card = gpu_card(args.device, args.gpu)
+    on = DeviceTarget.from_flags(args.device, args.gpu, False if args.no_cuda_kernels else None)
     if args.measure:
         from memfit.estimate.measure import format_rows, require_gpu
 
@@ -212,11 +210,10 @@ def _budget(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2) if args.json else format_rows(rows))
         return 0
     ran: dict = {}
-    assumed = cuda_kernels_assumed(args.device, False if args.no_cuda_kernels else None)
-    with assume_kernels(assumed), assume_card(card):
+    with on.entered():
         rows = budget_rows(args.system, args.device, ran)
-        described = assumed_target().describe(ran)
-        which = assumed_card()
+        described = on.kernels_used(ran)
+        which = on.card_used()
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -232,10 +229,8 @@ def _budget(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from memfit.estimate import cuda_kernels_assumed, gpu_card
     from memfit.estimate.fit import fit_system, format_fit, nothing_fits
-    from memfit.estimate.rules import assume_kernels, assumed_target
-    from memfit.estimate.workspaces import assume_card, assumed_card
+    from memfit.estimate.target import DeviceTarget
     from memfit.ops import registry
 
     if args.system not in available_systems():
@@ -244,16 +239,13 @@ def _fit(args: argparse.Namespace) -> int:
     if args.gpu_gib is None:
         raise UsageError("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
     check_numbers(args, gpu_gib=">0", max_batch=">=1")
-    card = gpu_card("cuda", args.gpu)
+    on = DeviceTarget.from_flags("cuda", args.gpu, False if args.no_cuda_kernels else None)
     before = registry.traced()
-    with (
-        assume_kernels(cuda_kernels_assumed("cuda", False if args.no_cuda_kernels else None)),
-        assume_card(card),
-    ):
+    with on.entered():
         results = fit_system(load_system(args.system).budgets(), args.gpu_gib, args.max_batch, args.variant)
         ran = {k for k, n in registry.traced().items() if n > before.get(k, 0)}
-        kernels = assumed_target().describe(ran) or "PyTorch's own kernels"
-        described = f"{kernels}, {assumed_card().describe()}"
+        kernels = on.kernels_used(ran) or "PyTorch's own kernels"
+        described = f"{kernels}, {on.card_used().describe()}"
     if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
         print(message, file=sys.stderr)
         return 2

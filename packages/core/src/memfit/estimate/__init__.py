@@ -35,12 +35,12 @@ import torch
 from torch import nn
 
 from memfit.errors import UsageError, run_command
-from memfit.estimate import explain, finetune, workspaces
-from memfit.estimate import rules as kernels
+from memfit.estimate import explain, finetune, rules
 from memfit.estimate.byname import load_target
 from memfit.estimate.cuda_memory import CudaFigures
 from memfit.estimate.fit import MARGIN
 from memfit.estimate.memory import GIB, WORKSPACES
+from memfit.estimate.target import DeviceTarget
 from memfit.estimate.trace import (  # noqa: F401 - re-exported: the names `memfit.estimate` has always had
     BORN,
     CAT,
@@ -67,7 +67,6 @@ from memfit.estimate.trace import (  # noqa: F401 - re-exported: the names `memf
     trace_step,
     trace_target,
 )
-from memfit.ops import registry
 
 # ----------------------------------------------------------------------------------------------------
 # Output
@@ -366,7 +365,7 @@ def estimate(
         if note not in target.describe:
             target.describe = f"{target.describe}; note: {note}"
     if target.device == "cuda":
-        result.cuda_kernels = kernels.assumed_target().describe(result.trace.report.ran)
+        result.cuda_kernels = rules.assumed_target().describe(result.trace.report.ran)
     if what_ifs:
         result.what_ifs = explain.what_ifs(target, result.trace)
     knob = scale or ("batch" if what_ifs and "batch" in target.knobs else None)
@@ -470,13 +469,10 @@ def estimate_model(
                 "error: memfit.estimate(model, inputs) needs the input shape, e.g. '8x3x224x224'"
             )
         target = _module_target(model, texts, dtype, loss, amp_name)
-    target.device = _device(device)
+    on = DeviceTarget.from_flags(device, gpu, cuda_kernels)
+    target.device = on.device
     target = finetune.apply(target, ft)
-    card = gpu_card(target.device, gpu)
-    with (
-        kernels.assume_kernels(cuda_kernels_assumed(target.device, cuda_kernels)),
-        workspaces.assume_card(card),
-    ):
+    with on.entered():
         return estimate(
             target,
             top,
@@ -521,31 +517,6 @@ def _module_target(
             f"'hf:ORG/NAME', not {model!r}"
         )
     return make_target(factory, label, texts, dtype, loss, amp_name)
-
-
-def cuda_kernels_assumed(device: str, cuda_kernels: bool | None) -> frozenset[str]:
-    """The ``cuda`` extra's kernels a CUDA estimate assumes: none with ``cuda_kernels=False``
-    (``--no_cuda_kernels``), else what this machine's GPU has, or all without a GPU (the README's setup)."""
-    if cuda_kernels is False and device != "cuda":
-        raise UsageError("error: --no_cuda_kernels is about a CUDA run: give --device cuda (or --gpu_gib)")
-    if cuda_kernels is False:
-        return frozenset()
-    return registry.kernels_assumed_here() if device == "cuda" else registry.extra_kernels()
-
-
-def gpu_card(device: str, gpu: str | None) -> workspaces.Card | None:
-    """The card ``--gpu`` names (None: the default, ``workspaces.card()``); refused for a CPU estimate."""
-    if gpu is None:
-        return None
-    if device != "cuda":
-        raise UsageError("error: --gpu names the card of a CUDA estimate: give --device cuda (or --gpu_gib)")
-    return workspaces.card(gpu)
-
-
-def _device(name: str) -> str:
-    if name not in ("cpu", "cuda"):
-        raise UsageError(f"error: --device {name!r}: estimates model 'cpu' or 'cuda' kernels")
-    return name
 
 
 class _CallableModule(types.ModuleType):
@@ -675,8 +646,9 @@ def _main(args) -> int:
         if args.device == "cpu":
             raise UsageError("error: --measure compares a CUDA estimate with the GPU: drop --device cpu")
     cuda_default = args.gpu_gib is not None or args.measure
-    device = _device(args.device or ("cuda" if cuda_default else "cpu"))
-    card = gpu_card(device, args.gpu)
+    on = DeviceTarget.from_flags(
+        args.device or ("cuda" if cuda_default else "cpu"), args.gpu, False if args.no_cuda_kernels else None
+    )
     for flag, path in (("--timeline", args.timeline), ("--snapshot", args.snapshot)):
         if path:  # refused before the work
             from memfit.estimate.timeline import check_path
@@ -684,10 +656,9 @@ def _main(args) -> int:
             check_path(path, flag)
     ft = finetune.parse(args.lora, args.freeze, args.optimizer, args.accumulate)
     target = load_target(args.target, args.input, args.dtype, args.loss_target, args.amp, task=args.task)
-    target.device = device
+    target.device = on.device
     target = finetune.apply(target, ft)
-    assumed = cuda_kernels_assumed(device, False if args.no_cuda_kernels else None)
-    with kernels.assume_kernels(assumed), workspaces.assume_card(card):
+    with on.entered():
         result = estimate(
             target,
             args.top,

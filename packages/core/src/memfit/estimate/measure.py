@@ -29,12 +29,10 @@ from typing import Any
 import torch
 
 from memfit.errors import UsageError
-from memfit.estimate import rules as kernels
-from memfit.estimate import workspaces
 from memfit.estimate.fit import needed_bytes
 from memfit.estimate.steps import _run_step, estimate_training_step
+from memfit.estimate.target import DeviceTarget
 from memfit.estimate.tracker import GIB, WORKSPACES, MemoryReport
-from memfit.ops import registry
 from memfit.step import TrainStep
 
 NO_GPU = (
@@ -130,8 +128,7 @@ def measure_step(
 def estimate_for(step: TrainStep, device: torch.device, cuda_kernels: bool | None = None) -> MemoryReport:
     """The CUDA estimate of ``step`` for this GPU: its card, and the cuda extra's kernels that pass their
     probes here (none with ``cuda_kernels=False``)."""
-    assumed = frozenset() if cuda_kernels is False else registry.kernels_on(device)
-    with kernels.assume_kernels(assumed), workspaces.assume_card(workspaces.card_of_device(device)):
+    with DeviceTarget.of_device(device, cuda_kernels).entered():
         return estimate_training_step(step, device="cuda")
 
 

@@ -23,12 +23,11 @@ from pathlib import Path
 import torch
 
 from memfit.errors import UsageError, first_line
-from memfit.estimate import rules as kernels
 from memfit.estimate import workspaces
 from memfit.estimate.fit import MARGIN, needed_bytes, usable_bytes
 from memfit.estimate.steps import estimate_training_step
+from memfit.estimate.target import DeviceTarget
 from memfit.estimate.tracker import GIB
-from memfit.ops import registry
 from memfit.step import TrainStep
 
 MemoryStep = Callable[[int, bool], TrainStep]  # (batch size, activation checkpointing) -> the step
@@ -117,9 +116,7 @@ def _needs(make: MemoryStep, batch: int, checkpointing: bool, device: torch.devi
     CUDA target's estimate for this GPU, or the CPU tensors times ``fit.CPU_OVERHEAD``."""
     target = "cuda" if device.type == "cuda" else "cpu"  # the kernels (and allocator) the run will use
     # on CUDA the Mamba kernels this GPU has: without mamba_ssm the torch-op scan needs 2-3x the memory
-    assumed = registry.kernels_on(device) if target == "cuda" else kernels.assumed_target().kernels
-    card = workspaces.card_of_device(device) if target == "cuda" else None
-    with kernels.assume_kernels(assumed), workspaces.assume_card(card):
+    with DeviceTarget.of_device(device).entered():
         report = estimate_training_step(make(batch, checkpointing), device=target)
     return needed_bytes(report, target)
 

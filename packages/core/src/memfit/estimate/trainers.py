@@ -42,9 +42,9 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from memfit.errors import UsageError
-from memfit.estimate import EstimateResult, cuda_kernels_assumed, estimate, explain, gpu_card, workspaces
-from memfit.estimate import rules as kernels
+from memfit.estimate import EstimateResult, estimate, explain
 from memfit.estimate.fit import CPU_OVERHEAD, MARGIN, usable_bytes
+from memfit.estimate.target import DeviceTarget
 from memfit.estimate.trace import Target, fmt_bytes
 from memfit.estimate.tracker import GIB, WORKSPACES
 from memfit.step import TrainStep, default_optimizer
@@ -379,11 +379,7 @@ def user_target(
 @contextlib.contextmanager
 def _assumed(device: str):
     """The kernels and card ``memfit.estimate(...)`` assumes by default: the same figures."""
-    with (
-        kernels.assume_kernels(cuda_kernels_assumed(device, None)),
-        workspaces.assume_card(gpu_card(device, None)),
-        warnings.catch_warnings(),
-    ):
+    with DeviceTarget.from_flags(device).entered(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a model's warnings about its fake copy (self.log, ...)
         yield
 
