@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import os
 import resource
 import shutil
@@ -23,7 +24,7 @@ import memfit.estimate.preflight
 import pytest
 import torch
 
-from tests.systems import ALIASES, EVAL, TRAIN, evaluate, one_error_line, train
+from tests.systems import ALIASES, EVAL, TRAIN, console, evaluate, one_error_line, train
 
 SYSTEM = "gpt2-window"  # the fastest to train; the run-folder rules live in core and are the same for all
 
@@ -652,3 +653,135 @@ def test_preflight_keeps_the_margin_on_a_shared_machine(monkeypatch):
     assert preflight._needs(make, named, False, cpu) <= fit.usable_bytes(needed * 22.33 / 22.17)
     monkeypatch.setattr(preflight, "available_bytes", lambda d: (int(needed / 0.89), "a test's RAM"))
     assert preflight.preflight(make, 4096, False, cpu).needed == needed
+
+
+# -- every numeric flag, both ends --------------------------------------------------------------------
+
+HOSTILE = ["0", "-1", "nan", "inf", "1e30", str(2**63 - 1)]
+TRAIN_MODULES = {
+    "ginr-cifar": "ginr_cifar.train",
+    "gpt2-window": "gpt2_window.train",
+    "mbsnet-speech": "mbsnet_speech.train",
+    "moremouse-triplane": "moremouse_triplane.train",
+}
+
+
+def _numeric_flags(system):
+    """(parser, flag, settings path, field owner class, field name, nargs) of every numeric train flag;
+    an expanded flag (--loss mag=W) gives one row per field, spelt 'name='."""
+    import dataclasses
+    import importlib
+    import typing
+
+    p = importlib.import_module(TRAIN_MODULES[system]).build_parser()
+    p._loop_flags()
+    p._loop_added = True
+    rows = []
+    for dest, path in p.paths.items():
+        flag = p.dest_flags[dest]
+        *parents, name = path.split(".")
+        owner = next(iter(p._preset_trees().values()))
+        for part in parents:
+            owner = getattr(owner, part)
+        value = getattr(owner, name)
+        if dest in p.expand:
+            for f in dataclasses.fields(value):
+                rows.append((p, flag, f"{path}.{f.name}", type(value), f.name, f"{f.name}="))
+            continue
+        hint = typing.get_type_hints(type(owner))[name]
+        kinds = {h for h in typing.get_args(hint) or (hint,)} | {
+            a for h in typing.get_args(hint) for a in typing.get_args(h)
+        }
+        if kinds & {int, float} and bool not in kinds:
+            nargs = 2 if isinstance(value, tuple) or name == "snr" else 1
+            rows.append((p, flag, path, type(owner), name, nargs))
+    return rows
+
+
+NUMERIC_FLAGS = [(s, row[1], row[2]) for s in TRAIN_MODULES for row in _numeric_flags(s)]
+
+
+def test_every_numeric_setting_declares_a_range_with_both_ends():
+    from memfit.train.config import rule_ends
+
+    missing = []
+    for system in TRAIN_MODULES:
+        for _, flag, path, owner, name, _ in _numeric_flags(system):
+            rule = getattr(owner, "RANGES", {}).get(name)
+            if rule is None or not all(map(math.isfinite, rule_ends(rule))):
+                missing.append(f"{system} {flag} ({path}): {rule}")
+    assert not missing, missing
+
+
+@pytest.mark.parametrize(
+    "system, flag, path", NUMERIC_FLAGS, ids=[f"{s}{f}-{p}" for s, f, p in NUMERIC_FLAGS]
+)
+def test_every_numeric_flag_refuses_hostile_numbers_at_parse_time_in_one_line(
+    system, flag, path, monkeypatch, tmp_path
+):
+    """0, -1, nan, inf, 1e30 and the largest int64 on every numeric train flag, parsed in-process: a
+    one-line UsageError (exit 2), or a value inside the field's declared range (both ends finite)."""
+    import memfit.train.cpu
+    from memfit.errors import UsageError
+    from memfit.train.config import rule_ends
+    from memfit.train.settings import get_path
+
+    monkeypatch.setattr(memfit.train.cpu, "set_threads", lambda n: n)  # --threads must not cap this process
+    (row,) = [r for r in _numeric_flags(system) if r[1] == flag and r[2] == path]
+    p, _, _, owner, name, nargs = row
+    low, high = rule_ends(owner.RANGES[name])
+    for value in HOSTILE:
+        given = [f"{nargs}{value}"] if isinstance(nargs, str) else [value] * nargs
+        steps = [] if flag in ("--steps", "--num_iterations") else ["--steps", "1"]
+        try:
+            run = p.parse([*TRAIN[system], *steps, "--runs_dir", str(tmp_path), flag, *given])
+        except UsageError as e:
+            text = str(e)
+            assert text.startswith("error: ") and "\n" not in text, text
+            assert "Traceback" not in text
+            continue
+        got = get_path(run.settings, path)
+        for v in got if isinstance(got, tuple) else (got,):
+            assert math.isfinite(v) and low <= v <= high, (flag, value, got)
+
+
+@pytest.mark.parametrize(
+    "system, flags, says",
+    [
+        (SYSTEM, ["--beta1", "1e30"], "--beta1 must be < 1, got 1e+30"),  # was torch's traceback
+        (SYSTEM, ["--beta2", "1"], "--beta2 must be < 1, got 1"),
+        (SYSTEM, ["--min_lr", "1e30"], "--min_lr must be <= 10, got 1e+30"),  # trained to nan, exit 0
+        (SYSTEM, ["--lr", "0.001", "--min_lr", "0.01"], "--min_lr must be <= lr (0.001), got 0.01"),
+        (MBSNET, ["--snr", "1e30", "1e30"], "--snr must be <= 100, got 1e+30"),  # OverflowError after ~40 s
+        (MBSNET, ["--snr", "-1000", "0"], "--snr must be >= -100, got -1000"),
+        (MBSNET, ["--loss", "mag=1e30"], "--loss mag must be <= 1e4, got 1e+30"),
+        (MBSNET, ["--augment", "reverb=2"], "--augment reverb is a probability; give 0..1, got 2"),
+        ("ginr-cifar", ["--jitter", "1e30"], "--jitter must be <= 32, got 1e+30"),  # was accepted silently
+        ("moremouse-triplane", ["--lr", "11"], "--lr must be <= 10, got 11"),
+        (SYSTEM, ["--ema", "1"], "--ema must be in [0, 1) (a decay per step"),
+        (SYSTEM, ["--max_minutes", "1e30"], "--max_minutes must be <= 1e7, got 1e+30"),
+    ],
+)
+def test_numbers_outside_either_end_or_a_relation_are_one_line_before_anything_is_made(
+    system, flags, says, tmp_path, capsys
+):
+    assert train(system, tmp_path / "runs", *flags) == 2
+    assert says in one_error_line(capsys)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_warmup_longer_than_the_run_is_said_and_the_schedule_keeps_its_tenth(tmp_path, capsys):
+    assert train(SYSTEM, tmp_path / "runs", "--warmup", "5") == 0
+    assert "--warmup 5 is longer than the run (--steps 1): warming up over 0 steps" in capsys.readouterr().err
+
+
+def test_numbers_at_the_ends_train_to_finite_numbers(tmp_path):
+    """The ends themselves are computable: AdamW with beta1 0 and beta2 just below 1, min_lr = lr."""
+    result = console("gpt2-train")([*TRAIN[SYSTEM], "--steps", "2", "--no_progress", "--runs_dir",
+                                    str(tmp_path), "--beta1", "0", "--beta2", "0.999999", "--lr", "10",
+                                    "--min_lr", "10", "--grad_clip", "1e6"])  # fmt: skip
+    assert result in (0, None)
+    log = (tmp_path / SYSTEM / "run" / "metrics.jsonl").read_text()
+    rows = [json.loads(line) for line in log.splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses and all(math.isfinite(v) for v in losses)
