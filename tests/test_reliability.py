@@ -785,3 +785,91 @@ def test_numbers_at_the_ends_train_to_finite_numbers(tmp_path):
     rows = [json.loads(line) for line in log.splitlines()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert losses and all(math.isfinite(v) for v in losses)
+
+
+# -- a hostile estimate target ------------------------------------------------------------------------
+
+HOSTILE_TARGET = """
+import os, signal, sys
+from torch import nn
+
+if os.environ.get("MEMFIT_TEST_EXIT_AT_IMPORT"):
+    os._exit(5)
+
+
+def fine():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def exits():
+    os._exit(7)
+
+
+def kills():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def calls_sys_exit():
+    sys.exit(3)
+
+
+class ExitsInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x):
+        os._exit(7)
+
+
+def exits_in_forward():
+    return ExitsInForward()
+"""
+
+
+@pytest.mark.parametrize(
+    "func, says",
+    [
+        ("exits", "the target ended the process (exit 7) while building the model"),
+        ("kills", "the target ended the process (killed by SIGKILL) while building the model"),
+        ("calls_sys_exit", "the target ended the process (exit 3) while building the model"),
+        ("exits_in_forward", "the target ended the process (exit 7) in the forward"),
+        ("import", "the target ended the process (exit 5) while importing the target"),
+    ],
+)
+def test_an_estimate_target_that_ends_the_process_is_one_line(func, says, tmp_path):
+    """The real command (a fresh process, as a user runs it; a process that ran backward before, as
+    pytest's, cannot fork a child that runs autograd, so there the target runs unguarded)."""
+    target = tmp_path / "hostile.py"
+    target.write_text(HOSTILE_TARGET)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if func == "import":
+        env["MEMFIT_TEST_EXIT_AT_IMPORT"] = "1"
+        func = "fine"
+    argv = [console_path("memfit"), "estimate", f"{target}:{func}", "--input", "2x16"]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("memfit estimate: error: ") and says in line
+
+
+def test_the_estimate_child_hands_back_exactly_what_the_command_prints_in_process(
+    tmp_path, capsys, monkeypatch
+):
+    """The normal path: the same output, status and errors from the command's child process as from
+    the command run in this process."""
+    target = tmp_path / "hostile.py"
+    target.write_text(HOSTILE_TARGET)
+    argv = ["estimate", f"{target}:fine", "--input", "2x16", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    forked = subprocess.run([console_path("memfit"), *argv], capture_output=True, text=True, env=env,
+                            timeout=300)  # fmt: skip
+    assert forked.returncode == 0, forked.stderr
+    monkeypatch.delattr(os, "fork")  # as where there is no fork: the command runs in this process
+    assert memfit_cli(*argv) == 0
+    here = capsys.readouterr()
+    assert json.loads(forked.stdout) == json.loads(here.out) and forked.stderr == here.err
+    bad = subprocess.run([console_path("memfit"), "estimate", f"{target}:nothing", "--input", "2x16"],
+                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines() == [f"memfit estimate: error: {target} has no 'nothing'"]

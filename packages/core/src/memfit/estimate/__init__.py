@@ -566,6 +566,14 @@ def main(args) -> int:
 
 
 def _main(args) -> int:
+    """The command, its user's code run in a child process (memfit.estimate.child): a target that exits or
+    kills itself is one line naming how and when, not a silent exit 7 or 137."""
+    from memfit.estimate.child import in_child
+
+    return in_child(lambda: _estimate_command(args))
+
+
+def _estimate_command(args) -> int:
     if args.measure:
         from memfit.estimate.measure import require_gpu
 

@@ -55,7 +55,13 @@ from memfit.train.cpu import keep_freed_memory, set_threads
 from memfit.train.distributed import init_distributed, leave_distributed
 from memfit.train.metrics_log import MetricsLog
 from memfit.train.run_dir import RunFolder
-from memfit.train.settings import LoopConfig, TrainRun, tree_dict, write_run_config
+from memfit.train.settings import (
+    WARMUP_MAX_FRACTION,
+    LoopConfig,
+    TrainRun,
+    tree_dict,
+    write_run_config,
+)
 
 
 def set_seed(seed: int) -> None:
@@ -96,9 +102,6 @@ class Progress:
         if self.budget_s:
             parts.append(self.seconds / self.budget_s)
         return min(1.0, max(0.0, *parts)) if parts else 0.0
-
-
-WARMUP_MAX_FRACTION = 0.1
 
 
 @dataclass(frozen=True)

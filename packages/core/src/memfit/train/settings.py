@@ -33,6 +33,8 @@ from memfit.train.flags import Parser
 CONFIG_NAME = "config.json"  # the settings a run was started with, in its run folder
 SETTINGS_FORMAT = 1
 RUN_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+# A run with a step count warms up over at most this share of it (memfit.train.loop.WarmupCosine)
+WARMUP_MAX_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,6 @@ def note_warmup(tree: Any, flags: Mapping[str, Any], flag: str = "--warmup") -> 
     steps = tree.loop.steps
     if warmup is None or steps is None or warmup <= steps:
         return None
-    from memfit.train.loop import WARMUP_MAX_FRACTION
-
     used = min(warmup, int(steps * WARMUP_MAX_FRACTION))
     note = f"[memfit] {flag} {warmup} is longer than the run (--steps {steps}): warming up over {used} steps"
     print(note, file=sys.stderr)
