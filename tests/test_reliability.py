@@ -873,3 +873,112 @@ def test_the_estimate_child_hands_back_exactly_what_the_command_prints_in_proces
                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
     assert bad.returncode == 2
     assert bad.stderr.splitlines() == [f"memfit estimate: error: {target} has no 'nothing'"]
+
+
+# -- a user's speech data that cannot train -----------------------------------------------------------
+
+
+def speech_folder(root: Path, names: list[str], seconds: float, kind: str = "speech") -> Path:
+    """clean_trainset_wav/ and noisy_trainset_wav/ under root: `kind` speech (a chirp with a syllable
+    rhythm), silent or constant clean files, each with its noisy copy."""
+    import numpy as np
+    import soundfile as sf
+
+    rng = np.random.default_rng(0)
+    n = int(16000 * seconds)
+    t = np.arange(n) / 16000
+    for sub in ("clean_trainset_wav", "noisy_trainset_wav"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    for k, name in enumerate(names):
+        if kind == "silent":
+            clean = np.zeros(n)
+        elif kind == "constant":
+            clean = np.full(n, 0.25)
+        else:
+            clean = 0.3 * np.sin(2 * np.pi * (150 + 20 * k) * t * (1 + t)) * (np.sin(2 * np.pi * 4 * t) > 0)
+        noisy = clean + 0.05 * rng.standard_normal(n)
+        sf.write(str(root / "clean_trainset_wav" / name), clean.astype("float32"), 16000)
+        sf.write(str(root / "noisy_trainset_wav" / name), noisy.astype("float32"), 16000)
+    return root
+
+
+NAMES = [f"p{k:03d}_{i:03d}.wav" for k in range(2) for i in range(4)]
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--noise", "NOISE"], "--noise is mixed into --clean speech; give --clean DIR too"),
+        (["--builtin_noise", "0.5"], "--builtin_noise is the share of built-in noise beside --noise files"),
+        (["--data", "DATA", "--no-remix", "--snr", "0", "10"], "--no-remix trains on --data's fixed pairs"),
+        (["--augment", "reverb=0.5"], "--augment applies to --clean mixes"),
+        (["--data_share", "0.5", "--data", "DATA"], "--data_share splits the mixes"),
+    ],
+)
+def test_flags_that_only_mean_something_together_are_one_line(flags, says, tmp_path, capsys):
+    data = speech_folder(tmp_path / "data", NAMES, 1.0)
+    noise = tmp_path / "noise"
+    noise.mkdir()
+    wav(noise / "n.wav", 1.0)
+    flags = [{"NOISE": str(noise), "DATA": str(data)}.get(f, f) for f in flags]
+    assert train(MBSNET, tmp_path / "runs", *flags) == 2  # --noise alone once trained on generated pairs
+    assert says in one_error_line(capsys)
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "kind, seconds, extra, says",
+    [
+        ("speech", 0.1, [], "none of the 2 validation files can be scored"),
+        ("speech", 0.1, ["--no-remix"], "signal too short"),
+        ("silent", 1.0, [], "hold no speech: all 6 checked are silent or constant"),
+        ("silent", 1.0, ["--no-remix"], "hold no speech"),
+        ("constant", 1.0, [], "hold no speech"),
+    ],
+)
+def test_speech_data_that_cannot_train_or_be_scored_is_refused_before_step_1(
+    kind, seconds, extra, says, tmp_path, capsys
+):
+    """0.1 s pairs and silent pairs once trained to nan PESQ / STOI / SI-SDR, exit 0, no best.pt."""
+    data = speech_folder(tmp_path / "data", NAMES, seconds, kind)
+    assert train(MBSNET, tmp_path / "runs", "--data", str(data), "--val_files", "2", *extra) == 2
+    line = one_error_line(capsys)
+    assert says in line and "p0" in line  # the files are named
+    assert not (tmp_path / "runs").exists()  # refused before the run folder is made
+
+
+def test_silent_clean_speech_for_mixing_is_refused_naming_the_files(tmp_path, capsys):
+    data = speech_folder(tmp_path / "data", NAMES, 1.0, "silent")
+    assert train(MBSNET, tmp_path / "runs", "--clean", str(data / "clean_trainset_wav")) == 2
+    line = one_error_line(capsys)
+    assert "the files of --clean" in line and "hold no speech" in line and ".wav" in line
+
+
+def test_user_speech_that_can_be_scored_trains_and_validates_to_numbers(tmp_path):
+    data = speech_folder(tmp_path / "data", NAMES, 1.0)
+    argv = [*TRAIN[MBSNET], "--steps", "1", "--no_progress", "--runs_dir", str(tmp_path / "runs")]
+    result = console("mbsnet-train")([*argv, "--data", str(data), "--val_files", "2"])
+    assert result in (0, None)
+    rows = (tmp_path / "runs" / MBSNET / "run" / "metrics.jsonl").read_text().splitlines()
+    scores = [json.loads(r) for r in rows if "eval/pesq" in r]
+    assert scores and all(math.isfinite(s[f"eval/{k}"]) for s in scores for k in ("pesq", "stoi", "si_sdr"))
+    assert (tmp_path / "runs" / MBSNET / "run" / "best.pt").is_file()
+
+
+def test_a_validation_that_scores_nan_stops_the_run_in_one_line(tmp_path, capsys, monkeypatch):
+    import mbsnet_speech.eval
+
+    real = mbsnet_speech.eval.score_model
+    nan = {"pesq": float("nan"), "stoi": float("nan"), "si_sdr": float("nan")}
+    monkeypatch.setattr(
+        mbsnet_speech.eval, "score_model", lambda m, items: nan if m is not None else real(m, items)
+    )
+    runs = tmp_path / "runs"
+    assert (
+        train(MBSNET, runs, "--steps", "4", "--save_every", "2", "--eval_every", "3", "--val_files", "1") == 2
+    )
+    line = one_error_line(capsys)
+    assert "validation at step 3 scored nan (pesq, stoi, si_sdr, choice)" in line
+    assert "ckpt_0000002.pt, is intact" in line
+    run = runs / MBSNET / "run"
+    assert not (run / ".lock").exists() and not (run / "best.pt").exists() and not list(run.glob(TEMP_FILE))

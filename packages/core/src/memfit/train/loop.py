@@ -631,6 +631,14 @@ class Trainer:
         with torch.no_grad(), autocast_context(self.cfg.amp, self.device):
             results = self.eval_fn(model)
         model.train()
+        nan = [k for k, v in results.items() if isinstance(v, float) and math.isnan(v)]
+        if nan:  # nothing to choose best.pt by, and the numbers after it would mean nothing: stop, saying so
+            self.metrics.write({"step": self.step, **{f"eval/{k}": v for k, v in results.items()}})
+            raise UsageError(
+                f"error: validation at step {self.step} scored nan ({', '.join(nan)}); the run stops rather "
+                f"than train on unscored; {self._last_saved()}; check that the validation files can be "
+                "scored and the loss is falling (a lower --lr)"
+            )
         record = {"step": self.step, **{f"eval/{k}": v for k, v in results.items()}}
         if self.best_metric is not None:
             if self.best_metric not in results:
