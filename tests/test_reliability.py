@@ -982,3 +982,68 @@ def test_a_validation_that_scores_nan_stops_the_run_in_one_line(tmp_path, capsys
     assert "ckpt_0000002.pt, is intact" in line
     run = runs / MBSNET / "run"
     assert not (run / ".lock").exists() and not (run / "best.pt").exists() and not list(run.glob(TEMP_FILE))
+
+
+# -- FSDP units: said, and settable -------------------------------------------------------------------
+
+BARE_LINEARS = """
+from torch import nn
+
+
+def Net():  # no repeated blocks with submodules: by default the whole model is one FSDP unit
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)])
+"""
+
+
+def test_fsdp_units_are_said_and_named_by_a_regex_matching_two_real_gloo_ranks(tmp_path, capsys):
+    import torch.distributed as dist
+    from memfit.estimate.explain import measure_per_rank
+
+    path = tmp_path / "bare.py"
+    path.write_text(BARE_LINEARS)
+    argv = [
+        "estimate",
+        f"{path}:Net",
+        "--input",
+        "4x32x512",
+        "--target",
+        "same",
+        "--ranks",
+        "2",
+        "--shard",
+        "fsdp",
+    ]
+    assert memfit_cli(*argv, "--json") == 0
+    whole = json.loads(capsys.readouterr().out)["per_rank"]
+    assert whole["fsdp_units"].startswith("the whole model is one unit")
+    assert memfit_cli(*argv, "--json", "--fsdp_units", r"\d+") == 0
+    each = json.loads(capsys.readouterr().out)["per_rank"]
+    assert each["fsdp_units"].startswith(r"6 modules matching --fsdp_units '\d+'")
+    assert each["peak_gib"] < whole["peak_gib"]
+    assert memfit_cli(*argv, "--fsdp_units", r"\d+") == 0
+    assert r"FSDP units assumed: 6 modules matching --fsdp_units '\d+'" in capsys.readouterr().out
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    real = measure_per_rank(f"{path}:Net", ["4x32x512"], "fsdp", ranks=2, loss_target="same", units=r"\d+")
+    assert len(set(real)) == 1 and abs(each["peak_gib"] * 2**30 / real[0] - 1) <= 0.05, (each, real)
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (
+            ["--shard", "fsdp", "--ranks", "2", "--fsdp_units", "blocks"],
+            "--fsdp_units 'blocks' matches no module",
+        ),
+        (
+            ["--shard", "fsdp", "--ranks", "2", "--fsdp_units", "("],
+            "--fsdp_units '(' is not a regular expression",
+        ),
+        (["--fsdp_units", r"\d+"], "--fsdp_units names FSDP's units; give it with --shard fsdp --ranks N"),
+    ],
+)
+def test_fsdp_units_that_name_nothing_are_one_line(extra, says, tmp_path, capsys):
+    path = tmp_path / "bare.py"
+    path.write_text(BARE_LINEARS)
+    assert memfit_cli("estimate", f"{path}:Net", "--input", "4x32x512", *extra) == 2
+    assert says in one_error_line(capsys)
