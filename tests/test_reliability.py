@@ -1047,3 +1047,83 @@ def test_fsdp_units_that_name_nothing_are_one_line(extra, says, tmp_path, capsys
     path.write_text(BARE_LINEARS)
     assert memfit_cli("estimate", f"{path}:Net", "--input", "4x32x512", *extra) == 2
     assert says in one_error_line(capsys)
+
+
+# -- DDP: a dead or mismatched rank in one line -------------------------------------------------------
+
+DDP_TRAINER = """
+import os, signal, sys, torch
+from torch import nn
+from memfit.errors import run_command
+from memfit.train.distributed import dist_info
+from memfit.train.loop import Trainer
+from memfit.train.settings import LoopConfig, TrainRun
+
+RUN_DIR, DIE_RANK, DIE_STEP, *WIDTHS = sys.argv[1:]
+
+
+def main(argv):
+    info = dist_info()
+    width = int(WIDTHS[info.rank]) if WIDTHS else 8
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, width), nn.Tanh(), nn.Linear(width, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    cfg = LoopConfig(steps=20, amp="none", progress=False, grad_clip=0, device="cpu", save_every=2,
+                     log_every=1, preflight=False)
+
+    def batch(step, micro):
+        if info.rank == int(DIE_RANK) and step == int(DIE_STEP):  # kill -9 of this rank, in step 6
+            os.kill(os.getpid(), signal.SIGKILL)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 10 + info.rank))
+        return x, x.sum(-1)
+
+    loss = lambda m, b: (m(b[0]).squeeze(-1) - b[1]).pow(2).mean()
+    Trainer(model, opt, loss, batch, TrainRun.of(cfg), run_dir=RUN_DIR).fit()
+
+
+raise SystemExit(run_command("ddp-test", main))
+"""
+
+
+def torchrun_two(tmp_path, *args) -> tuple[int, dict[int, str]]:
+    """Two gloo ranks on the CPU under torchrun: (its status, {rank: that rank's stderr})."""
+    import socket
+
+    script = tmp_path / "ddp_trainer.py"
+    script.write_text(DDP_TRAINER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={port}", "--log-dir", str(logs), "--redirects", "3", str(script)]  # fmt: skip
+    cmd += [str(a) for a in args]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    err = {int(p.parent.name): p.read_text() for p in logs.rglob("stderr.log")}
+    return res.returncode, err
+
+
+@pytest.mark.parametrize("dies", [1, 0], ids=["rank-1-killed", "rank-0-killed"])
+def test_a_ddp_rank_killed_mid_run_is_one_line_from_its_peer_naming_the_last_good_checkpoint(tmp_path, dies):
+    run = tmp_path / "run"
+    status, err = torchrun_two(tmp_path, run, dies, 5)
+    survivor = 1 - dies
+    assert status != 0 and err[dies] == ""
+    (line,) = err[survivor].splitlines()  # was a 30-line gloo "Connection reset by peer" traceback
+    assert line.startswith(f"ddp-test: error: rank {survivor} of 2 lost its peers in step 6 (")
+    assert f"the last checkpoint, {run / 'ckpt_0000004.pt'}, is intact (--resume)" in line
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt_0000002.pt", "ckpt_0000004.pt", "metrics.jsonl"]
+    assert torch.load(run / "ckpt_0000004.pt", weights_only=True)["step"] == 4  # no lock, no temp file left
+
+
+def test_ddp_ranks_started_with_other_settings_are_refused_in_one_line_before_anything_is_made(tmp_path):
+    run = tmp_path / "run"
+    status, err = torchrun_two(tmp_path, run, -1, -1, 8, 12)  # rank 1 builds a wider model
+    assert status != 0 and err[1] == ""
+    assert err[0].splitlines() == [  # was a 20-line "DDP expects same model across all ranks" traceback each
+        "ddp-test: error: rank 1 was started with other settings than rank 0 (parameter.0.weight "
+        "'8x16 torch.float32' -> '12x16 torch.float32'); start every rank with the same flags and files"
+    ]
+    assert not run.exists()
