@@ -1127,3 +1127,18 @@ def test_ddp_ranks_started_with_other_settings_are_refused_in_one_line_before_an
         "'8x16 torch.float32' -> '12x16 torch.float32'); start every rank with the same flags and files"
     ]
     assert not run.exists()
+
+
+def test_a_ddp_rendezvous_that_fails_is_one_line(tmp_path, monkeypatch, capsys):
+    import socket
+
+    with socket.socket() as taken:  # the master's port is taken: rank 0 cannot open the rendezvous
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+        for k, v in {**env, "MASTER_PORT": str(taken.getsockname()[1])}.items():
+            monkeypatch.setenv(k, v)
+        assert train(SYSTEM, tmp_path / "runs", "--device", "cpu") == 2
+    line = one_error_line(capsys)
+    assert "error: rank 0 of 2 could not join the other ranks (" in line and "address already in use" in line
+    assert not list((tmp_path / "runs").rglob(".lock"))

@@ -94,7 +94,15 @@ def init_distributed(device: torch.device) -> DistInfo:
     info = dist_info()
     if info.world_size > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
+        try:
+            dist.init_process_group(backend=backend)
+        except Exception as e:  # the rendezvous failed: a rank missing, a port taken, a timeout
+            if (cause := collective_failure(e)) is None:
+                raise
+            raise UsageError(
+                f"error: rank {info.rank} of {info.world_size} could not join the other ranks ({cause}); "
+                "check MASTER_ADDR / MASTER_PORT and that every rank was started"
+            ) from None
         _OWNED_GROUP = True
         # the Trainer leaves the group when fit ends (leave_distributed); this covers a process
         # that exits before it does
