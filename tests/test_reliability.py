@@ -1142,3 +1142,17 @@ def test_a_ddp_rendezvous_that_fails_is_one_line(tmp_path, monkeypatch, capsys):
     line = one_error_line(capsys)
     assert "error: rank 0 of 2 could not join the other ranks (" in line and "address already in use" in line
     assert not list((tmp_path / "runs").rglob(".lock"))
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--snr", "1e30", "1e30"], "--snr must be <= 100, got 1e+30"),  # the mixer overflowed at 1e30 dB
+        (["--seconds", "1e30"], "--seconds must be <= 3600, got 1e+30"),  # was "Maximum allowed dimension"
+        (["--mixes", str(2**63 - 1)], "--mixes must be <= 2**20"),
+    ],
+)
+def test_eval_numbers_have_both_ends_too(flags, says, tmp_path, capsys):
+    assert evaluate(MBSNET, "shipped", *flags, "--out", str(tmp_path / "ev")) == 2
+    assert says in one_error_line(capsys)
+    assert not (tmp_path / "ev").exists()

@@ -25,6 +25,7 @@ from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbe
 from memfit.train.outputs import output_files, write_file, write_text
 
 from mbsnet_speech.classical import wiener_enhance
+from mbsnet_speech.config import TrainConfig
 from mbsnet_speech.data import (
     HELDOUT_SNR,
     MIN_SAMPLES,
@@ -219,7 +220,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     add_eval_args(p, "mbsnet-speech", shipped=True)
     args = p.parse_args(argv)
     apply_threads(args)
-    check_numbers(args, pairs=">=1", seconds=">0", limit=">=1", mixes=">=1", keep_noisy=">=0")
+    check_numbers(
+        args, pairs="[1, 2**20]", seconds="(0, 3600]", limit=">=1", mixes="[1, 2**20]", keep_noisy=">=0"
+    )
+    check_numbers(args, snr=TrainConfig.RANGES["snr"])  # the mixer's range, as train's --snr
     if args.seconds * SAMPLE_RATE < MIN_SAMPLES:
         raise UsageError(f"error: --seconds {args.seconds:g} is shorter than one STFT frame; give >= 0.025")
     if args.snr[0] > args.snr[1]:
