@@ -7,8 +7,10 @@ preset with fields replaced; ``check_fields(self, lr=">0")`` validates numbers i
 Each package's ``config.get_config(name, **overrides)`` is this function bound to its PRESETS.
 
 Every number a user can give a config is validated in one place, ``check_config``: each field's declared
-range (the class's ``RANGES``, e.g. ``{"channels": ">=1", "seed": "0..2**63-1"}``) and the rules every
-number obeys (finite; an int within 64 bits). It runs wherever values enter a config from outside: flags
+range with both ends (the class's ``RANGES``, e.g. ``{"channels": "[1, 2**16]", "beta1": "[0, 1)", "seed":
+"0..2**63-1"}``; COUNT, STEPS, RATE, DECAY, SHARE and WEIGHT name the common ones), the relations between
+fields (``RELATIONS``, e.g. ``(("min_lr", "<=", "lr"),)``) and the rules every number obeys (finite; an
+int within 64 bits). It runs wherever values enter a config from outside: flags
 and files (``memfit.train.settings.override``, so at parse time), checkpoints and exports (``from_dict``)
 and load-time overrides (``with_overrides``); a config whose ``__post_init__`` divides by a size calls it
 first.

@@ -113,7 +113,8 @@ def init_distributed(device: torch.device) -> DistInfo:
 
 
 # Words of the errors a collective raises when a peer rank is gone or the connection broke (gloo's TCP
-# pairs, NCCL, the store); a bare RuntimeError is what gloo raises, so its text is what tells
+# pairs, NCCL); a bare RuntimeError is what gloo raises, so its text is what tells (the store's and
+# NCCL's timeouts are DistErrors)
 _LOST = (
     "connection reset",
     "connection closed",
@@ -122,8 +123,6 @@ _LOST = (
     "gloo/transport",
     "nccl error",
     "ncclremoteerror",
-    "socket timeout",
-    "timed out",
 )
 
 
