@@ -1156,3 +1156,14 @@ def test_eval_numbers_have_both_ends_too(flags, says, tmp_path, capsys):
     assert evaluate(MBSNET, "shipped", *flags, "--out", str(tmp_path / "ev")) == 2
     assert says in one_error_line(capsys)
     assert not (tmp_path / "ev").exists()
+
+
+def test_some_silent_clean_files_are_named_and_the_run_trains_on_the_rest(tmp_path, capsys):
+    data = speech_folder(tmp_path / "data", NAMES, 1.0)
+    speech_folder(tmp_path / "quiet", ["p002_000.wav", "p002_001.wav"], 1.0, "silent")
+    clean = data / "clean_trainset_wav"
+    for p in (tmp_path / "quiet" / "clean_trainset_wav").iterdir():
+        p.rename(clean / p.name)
+    assert train(MBSNET, tmp_path / "runs", "--clean", str(clean), "--val_files", "2") == 0
+    err = capsys.readouterr().err
+    assert "--clean files hold no speech (silent or constant): " in err and "p002_00" in err
