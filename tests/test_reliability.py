@@ -1167,3 +1167,20 @@ def test_some_silent_clean_files_are_named_and_the_run_trains_on_the_rest(tmp_pa
     assert train(MBSNET, tmp_path / "runs", "--clean", str(clean), "--val_files", "2") == 0
     err = capsys.readouterr().err
     assert "--clean files hold no speech (silent or constant): " in err and "p002_00" in err
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (
+            ["--gpu_gib", "1e30", "--max_batch", str(2**63 - 1)],
+            "--max_batch at most 2147483647",
+        ),  # overflowed
+        (["--ranks", str(2**63 - 1)], "--ranks is at most 1048576"),
+    ],
+)
+def test_estimate_counts_have_both_ends(extra, says, tmp_path, capsys):
+    target = tmp_path / "hostile.py"
+    target.write_text(HOSTILE_TARGET)
+    assert memfit_cli("estimate", f"{target}:fine", "--input", "2x16", *extra) == 2
+    assert says in one_error_line(capsys)

@@ -64,6 +64,9 @@ from memfit.estimate.trace import (  # noqa: F401 - re-exported: the names `memf
 )
 from memfit.ops import registry
 
+MAX_RANKS = 2**20
+MAX_BATCH = 2**31 - 1
+
 # ----------------------------------------------------------------------------------------------------
 # Output
 # ----------------------------------------------------------------------------------------------------
@@ -334,6 +337,9 @@ def estimate(
         raise UsageError(f"error: --margin is a fraction in [0, 1), e.g. 0.1; got {margin:g}")
     if ranks < 1 or top < 1 or max_batch < 1:
         raise UsageError("error: --ranks, --top and --max_batch must be at least 1")
+    if ranks > MAX_RANKS or max_batch > MAX_BATCH:  # a batch past 2**31 overflows a tensor's storage size
+        raise UsageError(f"error: --ranks is at most {MAX_RANKS} and --max_batch at most {MAX_BATCH}; got "
+                         f"{ranks} and {max_batch}")  # fmt: skip
     result = EstimateResult(target, trace_target(target), top, ranks=ranks, shard=shard)
     if target.device == "cuda":
         result.cuda_kernels = kernels.assumed_target().describe(result.trace.report.ran)
