@@ -1184,3 +1184,38 @@ def test_estimate_counts_have_both_ends(extra, says, tmp_path, capsys):
     target.write_text(HOSTILE_TARGET)
     assert memfit_cli("estimate", f"{target}:fine", "--input", "2x16", *extra) == 2
     assert says in one_error_line(capsys)
+
+
+EVAL_NUMBERS = [
+    ("gpt2-eval", ["--batch_size", "--sequence_length", "--eval_iters"]),
+    ("gpt2-generate", ["--max_new_tokens", "--num_samples", "--temperature", "--top_k", "--seed"]),
+    ("ginr-eval", ["--resolution", "--holdout", "--num_images", "--batch_size", "--grid"]),
+    ("mbsnet-eval", ["--mixes", "--snr", "--pairs", "--seconds", "--limit", "--keep_noisy", "--shifts"]),
+    ("mouse-eval", ["--num_scenes", "--seed"]),
+]
+
+
+@pytest.mark.parametrize("command, flag", [(c, f) for c, flags in EVAL_NUMBERS for f in flags])
+def test_every_numeric_eval_flag_refuses_hostile_numbers_naming_itself(command, flag, tmp_path, capsys):
+    """-1, nan, inf, 1e30 and the largest int64 (a seed takes it) on the eval and generate commands: one
+    line naming the flag, before any run is looked for (mbsnet-speech's shipped model: its inference
+    flags are checked against the model)."""
+    if command == "gpt2-generate":
+        from gpt2_window.sample import run as generate
+
+        def cli(argv):
+            from memfit.errors import run_command
+
+            return run_command("generate", generate, argv)
+    else:
+        cli = console(command)
+    run = "shipped" if command == "mbsnet-eval" else str(tmp_path / "no-such-run")
+    for value in ["-1", "nan", "inf", "1e30", str(2**63 - 1)]:
+        if (flag, value) in (("--seed", str(2**63 - 1)), ("--snr", "-1")):
+            continue  # torch.manual_seed's whole range; -1 dB is an SNR
+        given = [value, value] if flag == "--snr" else [value]
+        status = cli(["--run", run, flag, *given, "--out" if command != "gpt2-generate" else "--runs_dir",
+                      str(tmp_path / "out")])  # fmt: skip
+        line = one_error_line(capsys)
+        assert status == 2 and flag.lstrip("-") in line, (value, line)
+    assert not (tmp_path / "out").exists()
