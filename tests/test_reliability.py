@@ -1220,3 +1220,29 @@ def test_every_numeric_eval_flag_refuses_hostile_numbers_naming_itself(command, 
         line = one_error_line(capsys)
         assert status == 2 and flag.lstrip("-") in line, (value, line)
     assert not (tmp_path / "out").exists()
+
+
+def test_two_gpt2_ranks_started_with_other_presets_are_one_line(tmp_path):
+    """The trial as a user ran it: two ranks of `gpt2-train` by hand, rank 1 with another --model."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, model in enumerate(["nano", "tiny"]):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port)}  # fmt: skip
+        argv = [console_path("gpt2-train"), *TRAIN[SYSTEM], "--model", model, "--steps", "2", "--no_progress",
+                "--device", "cpu", "--runs_dir", str(tmp_path / "runs")]  # fmt: skip
+        procs.append(
+            subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    out = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2] and out[1][1] == ""
+    assert out[0][1].splitlines() == [
+        "gpt2-train: error: rank 1 was started with other settings than rank 0 (settings.model.block_size "
+        "32 -> 64); start every rank with the same flags and files"
+    ]
+    assert not (tmp_path / "runs").exists()
