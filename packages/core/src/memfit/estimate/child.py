@@ -7,7 +7,7 @@ output, its return value or its exception (re-raised here, so ``run_command`` pr
 also says, as it goes, what it is doing (``note("while building the model")``); when it ends without an
 outcome, the parent raises one UsageError: "the target ended the process (exit 7) while building the
 model". A fork costs milliseconds (nothing is imported again); where there is no fork (Windows), in a
-child already, or in a process that ran backward before (torch's autograd cannot run in a fork of it: a
+child already, or in a process that started CUDA or ran backward before (neither works in a fork of it: a
 test, a notebook), ``fn()`` runs here, unguarded.
 """
 
@@ -119,8 +119,9 @@ def _child(fn: Callable[[], Any], write: int) -> None:
 def in_child(fn: Callable[[], Any], what: str = "the target") -> Any:
     """fn() run in a forked child: its return value, its exception re-raised, its stdout and stderr
     printed here; a child that ends before it is done is one UsageError naming how and when it ended."""
-    if not hasattr(os, "fork") or _channel is not None:
-        return fn()
+    torch = sys.modules.get("torch")
+    if not hasattr(os, "fork") or _channel is not None or (torch is not None and torch.cuda.is_initialized()):
+        return fn()  # no fork here, a child already, or CUDA up in this process (a fork cannot use it)
     read, write = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
