@@ -1246,3 +1246,33 @@ def test_two_gpt2_ranks_started_with_other_presets_are_one_line(tmp_path):
         "32 -> 64); start every rank with the same flags and files"
     ]
     assert not (tmp_path / "runs").exists()
+
+
+def test_every_numeric_field_of_every_settings_tree_declares_both_ends():
+    """Not only the flags: a --config FILE or a checkpoint sets every field, each checked at its range."""
+    import dataclasses
+    import importlib
+    import typing
+
+    from memfit.train.config import rule_ends
+
+    missing = set()
+    for system, module in TRAIN_MODULES.items():
+        p = importlib.import_module(module).build_parser()
+        todo = list(p._preset_trees().values())
+        while todo:
+            node = todo.pop()
+            hints = typing.get_type_hints(type(node))
+            for f in dataclasses.fields(node):
+                value = getattr(node, f.name)
+                if dataclasses.is_dataclass(value):
+                    todo.append(value)
+                    continue
+                kinds = set(typing.get_args(hints[f.name]) or (hints[f.name],))
+                kinds |= {a for h in list(kinds) for a in typing.get_args(h)}
+                if not kinds & {int, float} or bool in kinds:
+                    continue
+                rule = getattr(type(node), "RANGES", {}).get(f.name)
+                if rule is None or not all(map(math.isfinite, rule_ends(rule))):
+                    missing.add(f"{system}: {type(node).__name__}.{f.name} ({rule})")
+    assert not missing, sorted(missing)
