@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from memfit.train import config
-from memfit.train.config import check_config, check_fields
+from memfit.train.config import COUNT, COUNT0, RATE, STEPS, WEIGHT, check_config
 from memfit.train.settings import LoopConfig, Settings
 
 DECODERS = ("attn", "ff", "xattn")
@@ -49,9 +49,9 @@ class GINRConfig:
     RANGES: ClassVar[dict[str, str]] = {
         **dict.fromkeys(("image_size", "channels", "patch_size", "dim", "num_lp", "depth", "d_state",
                          "d_conv", "expand", "ff_mult", "hidden_dim", "num_bands", "decoder_width",
-                         "decoder_depth", "decoder_heads", "decoder_ff_mult"), ">=1"),
-        "max_freq": ">0",
-        "locality_init": ">=0",
+                         "decoder_depth", "decoder_heads", "decoder_ff_mult"), "[1, 2**16]"),
+        "max_freq": "(0, 1e4]",
+        "locality_init": "[0, 1e4]",
     }  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -139,10 +139,23 @@ class TrainConfig:
     eval_every: int = 0  # validation PSNR every N steps, the best kept as best.pt (0: at the end)
     eval_images: int = 500  # validation images, carved from the training part
 
+    RANGES: ClassVar[dict[str, str]] = {
+        "max_images": COUNT,
+        "holdout": COUNT0,
+        "batch_size": "[1, 2**20]",
+        "num_sample_coords": "[1, 2**20]",  # and at most the image's pixels (data.sample_batch)
+        # pixels off a sampled centre; coordinates are clamped to the image, so more than its side (CIFAR's
+        # 32) only moves every sample onto the border
+        "jitter": "[0, 32]",
+        "lr": RATE,
+        "weight_decay": WEIGHT,
+        "warmup": STEPS,
+        "eval_every": STEPS,
+        "eval_images": COUNT,
+    }
+
     def __post_init__(self) -> None:
-        check_fields(self, max_images=">=1", holdout=">=0", batch_size=">=1", num_sample_coords=">=1")
-        check_fields(self, jitter=">=0", lr=">0", weight_decay=">=0", warmup=">=0", eval_every=">=0")
-        check_fields(self, eval_images=">=1")
+        check_config(self)
 
 
 def _settings(name: str, train: TrainConfig = TrainConfig()):

@@ -178,7 +178,8 @@ def pick_split(split: str, data: str | None, run_data: str | None) -> str:
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     apply_threads(args)
-    check_numbers(args, batch_size=">=1", grid=">=1", num_images=">=1", resolution=">=1")
+    check_numbers(args, batch_size="[1, 2**20]", grid="[1, 1024]", num_images="[1, 2**31-1]",
+                  resolution="[1, 2**14]", holdout="[0, 2**31-1]")  # fmt: skip
     device = resolve_device(args.device)
     run = resolve_run(args.run, "ginr-cifar", args.runs_dir)
     out = eval_out_dir(args, run, (args.data,))

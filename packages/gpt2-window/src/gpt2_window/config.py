@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from memfit.train import config
-from memfit.train.config import check_fields
+from memfit.train.config import COUNT, DECAY, RATE, STEPS, WEIGHT, check_config
 from memfit.train.settings import LoopConfig, Settings
 
 ATTN_IMPLS = ("memfit", "ref", "seed")
@@ -33,33 +33,41 @@ class GPTConfig:
     attn_impl: str = "memfit"
     # how the model runs, not what it computes: `train --resume` may change these
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "attn_impl")
+    RANGES: ClassVar[dict[str, str]] = {
+        "block_size": "[1, 2**24]",
+        "vocab_size": COUNT,
+        "n_layer": "[1, 2**16]",
+        "n_head": "[1, 2**16]",
+        "n_embd": "[1, 2**20]",
+        "dropout": DECAY,
+        "window": "[1, 2**31-1]",  # each layer's (None: full causal)
+    }
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the bad field and the fix."""
-        for name in ("block_size", "n_layer", "n_head", "n_embd"):
+        for name in ("block_size", "n_layer", "n_head", "n_embd"):  # before check_config: a clearer line
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if isinstance(self.window, (list, tuple)):
+            object.__setattr__(self, "window", list(self.window))  # a JSON round trip gives a list
+        if isinstance(self.window, list) and len(self.window) != self.n_layer:
+            raise ValueError(
+                f"window has {len(self.window)} entries but the model has {self.n_layer} layers; "
+                "give one window (or None) per layer, or a single int for all"
+            )
+        for w in self.window if isinstance(self.window, list) else [self.window]:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not 0 < w <= 2**31 - 1):
+                raise ValueError(
+                    f"window must be a positive int (keys seen per query, at most 2**31-1) or None, got {w!r}"
+                )
+        check_config(self)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.attn_impl not in ATTN_IMPLS:
             raise ValueError(f"attn_impl must be one of {', '.join(ATTN_IMPLS)}; got {self.attn_impl!r}")
-        if isinstance(self.window, (list, tuple)):
-            if len(self.window) != self.n_layer:
-                raise ValueError(
-                    f"window has {len(self.window)} entries but the model has {self.n_layer} layers; "
-                    "give one window (or None) per layer, or a single int for all"
-                )
-            object.__setattr__(self, "window", list(self.window))  # a JSON round trip gives a list
-        for w in self.layer_windows():
-            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-                raise ValueError(f"window must be a positive int (keys seen per query) or None, got {w!r}")
 
     def layer_windows(self) -> list[int | None]:
         """The window of each layer (None = full causal)."""
@@ -104,9 +112,22 @@ class TrainConfig:
     eval_every: int = 250  # 0: only at the end
     eval_iters: int = 20  # batches per evaluation
 
+    RANGES: ClassVar[dict[str, str]] = {
+        "sequence_length": "[1, 2**24]",
+        "batch_size": "[1, 2**20]",
+        "lr": RATE,
+        "min_lr": "[0, 10]",
+        "warmup": STEPS,
+        "weight_decay": WEIGHT,
+        "beta1": DECAY,
+        "beta2": DECAY,
+        "eval_every": STEPS,
+        "eval_iters": "[1, 2**20]",
+    }
+    RELATIONS: ClassVar[tuple[tuple[str, str, str], ...]] = (("min_lr", "<=", "lr"),)  # a decay, not a rise
+
     def __post_init__(self) -> None:
-        check_fields(self, sequence_length=">=1", batch_size=">=1", lr=">0", min_lr=">=0", warmup=">=0")
-        check_fields(self, weight_decay=">=0", beta1=">=0", beta2=">=0", eval_every=">=0", eval_iters=">=1")
+        check_config(self)
         if self.tokenizer not in ("auto", "char", "gpt2"):
             raise ValueError(f"tokenizer must be auto, char or gpt2; got {self.tokenizer!r}")
 

@@ -76,7 +76,7 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     apply_threads(args)
-    check_numbers(args, batch_size=">=1", eval_iters=">=1", sequence_length=">=1")
+    check_numbers(args, batch_size="[1, 2**20]", eval_iters="[1, 2**20]", sequence_length="[1, 2**24]")
     device = resolve_device(args.device)
     run = resolve_run(args.run, "gpt2-window", args.runs_dir)
     out = eval_out_dir(args, run, (args.data,))

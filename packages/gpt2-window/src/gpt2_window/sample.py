@@ -21,8 +21,9 @@ def run(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--top_k", type=int, default=200)
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args(argv)
-    check_numbers(args, max_new_tokens=">=0", num_samples=">=1", temperature=f">={MIN_TEMPERATURE:g}",
-                  top_k=">=1", seed="0..2**63-1")  # fmt: skip
+    temperature = f"[{MIN_TEMPERATURE:g}, 1e4]"
+    check_numbers(args, max_new_tokens="[0, 2**24]", num_samples="[1, 2**16]", temperature=temperature,
+                  top_k="[1, 2**31-1]", seed="0..2**63-1")  # fmt: skip
     apply_threads(args)
     from memfit.train.export import model_line
 

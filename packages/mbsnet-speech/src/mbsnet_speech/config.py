@@ -4,11 +4,11 @@ bloated one), the training recipe, and the settings presets `train --config NAME
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from memfit.train import config
-from memfit.train.config import check_config, check_fields
+from memfit.train.config import RATE, SHARE, STEPS, WEIGHT, check_config
 from memfit.train.settings import LoopConfig, Settings
 
 SAMPLE_RATE = 16_000
@@ -25,11 +25,16 @@ class Augment:
     clip: float = 0.0  # a clipped recording: the noisy mix clipped at 30..80% of its peak (target not)
     bandlimit: float = 0.0  # a narrow-band recording: speech and noise low-passed at 3.4..7 kHz
 
+    RANGES: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("speed", "eq", "reverb", "gain", "clip", "bandlimit"), SHARE
+    )
+
     def __post_init__(self) -> None:
-        check_fields(self, **dict.fromkeys(self.__dataclass_fields__, ">=0"))
-        for name in self.__dataclass_fields__:
-            if getattr(self, name) > 1:
-                raise ValueError(f"augment {name}={getattr(self, name):g} is a probability; give 0..1")
+        for name in self.RANGES:
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and value > 1:  # the line says what the number is
+                raise ValueError(f"{name} is a probability; give 0..1, got {value:g}")
+        check_config(self)
 
 
 def parse_names(spec: str) -> tuple[str, ...]:
@@ -73,18 +78,23 @@ class MBSNetConfig:
     # how the model runs, not what it computes: `train --resume` may change these
     RUNTIME_FIELDS: ClassVar[tuple[str, ...]] = ("checkpoint", "scan", "pcs", "keep_noisy", "shifts")
     RANGES: ClassVar[dict[str, str]] = {
-        **dict.fromkeys(("sample_rate", "n_fft", "hop", "win", "channels", "num_layers", "d_state", "d_conv"),
-                        ">=1"),
-        **dict.fromkeys(("compress", "band_growth", "expand"), ">0"),
-        "head_hidden": ">=0",
+        "sample_rate": "[1, 384000]",
+        **dict.fromkeys(("n_fft", "hop", "win", "channels", "num_layers", "d_state", "d_conv", "num_bands",
+                         "shifts"), "[1, 2**16]"),
+        **dict.fromkeys(("compress", "band_growth", "expand"), "(0, 1e3]"),
+        "head_hidden": "[0, 2**16]",
+        "keep_noisy": SHARE,
     }  # fmt: skip
 
     def __post_init__(self) -> None:
+        sizes = all(isinstance(getattr(self, n), int) for n in ("n_fft", "num_bands", "hop", "shifts"))
+        if sizes and not 1 <= self.num_bands <= self.n_bins:  # before the ranges: the line names n_bins
+            raise ValueError(f"num_bands must be in 1..{self.n_bins} (n_fft//2+1), got {self.num_bands}")
+        if sizes and not 1 <= self.shifts <= max(self.hop, 1):
+            raise ValueError(f"shifts must be in 1..hop ({self.hop}), got {self.shifts}")
         check_config(self)
         if self.scan not in ("chunked", "materialise"):
             raise ValueError(f"scan must be 'chunked' or 'materialise', got {self.scan!r}")
-        if self.num_bands < 1 or self.num_bands > self.n_bins:
-            raise ValueError(f"num_bands must be in 1..{self.n_bins} (n_fft//2+1), got {self.num_bands}")
         if not self.band_growth > 0:
             raise ValueError(f"band_growth must be > 0 (last band width / first), got {self.band_growth}")
         if self.win > self.n_fft:
@@ -93,8 +103,6 @@ class MBSNetConfig:
             raise ValueError(f"hop must be in 1..win ({self.win}), got {self.hop}")
         if not 0 <= self.keep_noisy <= 1:
             raise ValueError(f"keep_noisy is a share of the input; give 0..1, got {self.keep_noisy:g}")
-        if not 1 <= self.shifts <= self.hop:
-            raise ValueError(f"shifts must be in 1..hop ({self.hop}), got {self.shifts}")
 
     @property
     def n_bins(self) -> int:
@@ -204,8 +212,11 @@ class LossWeights:
     pesq: float = 0.0  # weight of a differentiable PESQ distance (torch-pesq; ~4 for a noisy mix, 0 clean)
     stoi: float = 0.0  # weight of -STOI (torch-stoi; -1 for the clean speech itself, 0 worst)
 
+    RANGES: ClassVar[dict[str, str]] = dict.fromkeys(("mag", "com", "pha", "time", "stft", "sisdr", "pesq",
+                                                      "stoi"), WEIGHT)  # fmt: skip
+
     def __post_init__(self) -> None:
-        check_fields(self, **{f.name: ">=0" for f in fields(self)})
+        check_config(self)
 
 
 def get_config(name: str, **overrides: Any) -> MBSNetConfig:
@@ -246,15 +257,26 @@ class TrainConfig:
     eval_every: int = 200  # validation (PESQ-wb, STOI, SI-SDR on held-out files) every N steps; 0: at the end
     val_files: int = 8
 
+    RANGES: ClassVar[dict[str, str]] = {
+        "batch_size": "[1, 2**20]",
+        "seconds": "(0, 3600]",  # a crop of at most an hour
+        # dB, each end: beyond +-100 dB one signal is below float32's resolution of the other
+        "snr": "[-100, 100]",
+        "data_share": SHARE,
+        "builtin_noise": SHARE,
+        "lr": RATE,
+        "weight_decay": WEIGHT,
+        "warmup": STEPS,
+        "eval_every": STEPS,
+        "val_files": "[0, 2**20]",
+    }
+
     def __post_init__(self) -> None:
-        check_fields(self, batch_size=">=1", seconds=">0", lr=">0", weight_decay=">=0", warmup=">=0")
-        check_fields(self, eval_every=">=0", val_files=">=0")
+        check_config(self)
         if self.seconds * SAMPLE_RATE < 400:
             raise ValueError(f"seconds must be >= 0.025 (one STFT window), got {self.seconds:g}")
         if self.snr is not None and not (len(self.snr) == 2 and self.snr[0] <= self.snr[1]):
             raise ValueError(f"snr needs MIN <= MAX, got {' '.join(map(str, self.snr))}; swap them")
-        if not 0 <= self.data_share <= 1 or not 0 <= self.builtin_noise <= 1:
-            raise ValueError("data_share and builtin_noise are shares; give 0..1")
 
 
 def _paper(name: str):

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     add_threads_arg(p)
     args = p.parse_args(argv)
     apply_threads(args)
-    check_numbers(args, chunk_seconds=">0", overlap_seconds=">=0", keep_noisy=">=0")
+    check_numbers(args, chunk_seconds="(0, 3600]", overlap_seconds="[0, 3600]", keep_noisy="[0, 1]")
     chunk, overlap = int(args.chunk_seconds * SAMPLE_RATE), int(args.overlap_seconds * SAMPLE_RATE)
     if chunk < MIN_SAMPLES or overlap >= chunk:
         raise UsageError("error: --chunk_seconds must be >= 0.025 and longer than --overlap_seconds")

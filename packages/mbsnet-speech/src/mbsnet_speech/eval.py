@@ -25,6 +25,7 @@ from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbe
 from memfit.train.outputs import output_files, write_file, write_text
 
 from mbsnet_speech.classical import wiener_enhance
+from mbsnet_speech.config import TrainConfig
 from mbsnet_speech.data import (
     HELDOUT_SNR,
     MIN_SAMPLES,
@@ -219,7 +220,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     add_eval_args(p, "mbsnet-speech", shipped=True)
     args = p.parse_args(argv)
     apply_threads(args)
-    check_numbers(args, pairs=">=1", seconds=">0", limit=">=1", mixes=">=1", keep_noisy=">=0")
+    check_numbers(args, pairs="[1, 2**20]", seconds="(0, 3600]", limit="[1, 2**31-1]", mixes="[1, 2**20]",
+                  keep_noisy="[0, 1]")  # fmt: skip
+    check_numbers(args, snr=TrainConfig.RANGES["snr"])  # the mixer's range, as train's --snr
     if args.seconds * SAMPLE_RATE < MIN_SAMPLES:
         raise UsageError(f"error: --seconds {args.seconds:g} is shorter than one STFT frame; give >= 0.025")
     if args.snr[0] > args.snr[1]:
@@ -228,10 +231,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     run = SYSTEM.run_dir(args.run, args.runs_dir)
     name = "shipped" if SYSTEM.is_shipped(run) else None
-    out_dir = eval_out_dir(args, run, (args.data, args.clean, args.noise, args.speech), name)
-    try:
+    try:  # the model first (seconds): --shifts or --keep_noisy it refuses leaves no --out folder behind
         overrides = inference_overrides(args.pcs, args.keep_noisy, args.shifts)
         model, state = SYSTEM.load_model(run, resolve_device(args.device), **overrides)
+    except UsageError:
+        raise
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(f"error: {e}") from None
+    out_dir = eval_out_dir(args, run, (args.data, args.clean, args.noise, args.speech), name)
+    try:
         settings = state.get("settings")
         sets = eval_sets(args, (settings or {}).get("train") or {}, known=settings is not None)
     except UsageError:

@@ -19,6 +19,13 @@ from typing import TYPE_CHECKING
 from memfit.errors import UsageError
 from memfit.train.settings import TrainParser, TrainRun
 
+from mbsnet_speech.checks import (
+    check_flags_together,
+    check_scores,
+    check_speech,
+    check_validation,
+    note_files,
+)
 from mbsnet_speech.config import SAMPLE_RATE, SETTINGS, Augment, LossWeights, TrainConfig, parse_names
 
 if TYPE_CHECKING:  # torch, the data and the model load when training starts: `--help` stays fast
@@ -162,6 +169,9 @@ def build_parser() -> TrainParser:
     return p
 
 
+SPEECH_SAMPLE = 64  # clean files of a --data corpus checked for speech before step 1
+
+
 def _split_heldout(n: int, count: int) -> tuple[list[int], list[int]]:
     """A fixed (seed-independent) choice of `count` of n files (at most a quarter) held out for
     validation; (train, val)."""
@@ -205,7 +215,7 @@ def build_data(t: TrainConfig, crop: int):
 def _pairs_and_val(root: str, n_val: int) -> tuple[PairFolder, list]:
     """The training pairs of a clean_*/noisy_* root (its train split when it has one) less `n_val` files
     held out for validation, and those [(name, noisy, clean)]."""
-    from mbsnet_speech.data import PairFolder, find_pairs
+    from mbsnet_speech.data import PairFolder, _load_cached, find_pairs
 
     try:
         pairs = find_pairs(root, split="train")
@@ -214,6 +224,12 @@ def _pairs_and_val(root: str, n_val: int) -> tuple[PairFolder, list]:
     train_idx, val_idx = _split_heldout(len(pairs), n_val)
     val = [(pairs.names[i], *pairs.load(i)[::-1]) for i in val_idx]
     train = PairFolder(pairs.root, [pairs.clean[i] for i in train_idx], [pairs.noisy[i] for i in train_idx])
+    # speech in the clean files: all of a small set, an even spread of SPEECH_SAMPLE of a corpus (read now,
+    # into the clip cache training reads from)
+    step = max(1, len(train) // SPEECH_SAMPLE)
+    checked = train.clean[::step]
+    quiet = check_speech(checked, _load_cached, f"the clean files of --data {root}")
+    note_files(f"{len(quiet)} of {len(checked)} clean files checked are silent or constant", quiet)
     return train, val
 
 
@@ -225,6 +241,7 @@ def _mix_data(t: TrainConfig, crop: int):
         MixSource,
         PairRemix,
         Sources,
+        _load_cached,
         audio_files,
         heldout_mixes,
         load_all,
@@ -252,6 +269,8 @@ def _mix_data(t: TrainConfig, crop: int):
         if ntest_g:
             held += f", {', '.join(ntest_g)} (test, never seen)"
     load_all(files + (all_noise if t.noise else []))
+    quiet = check_speech(train_c, _load_cached, f"the files of --clean {t.clean}")
+    note_files(f"{len(quiet)} of {len(train_c)} --clean files hold no speech (silent or constant)", quiet)
     src = MixSource(train_c, noise, snr, builtin=t.builtin_noise if noise else 1.0)
     val = heldout_mixes(val_c, val_n, t.val_files, VAL_SEED)
     kinds = f"{len(noise)} noise files + built-ins ({t.builtin_noise:g})" if noise else "built-in noises"
@@ -280,12 +299,18 @@ def main(argv: list[str] | None = None) -> dict:
     from mbsnet_speech.model import MBSNet, count_params
 
     cfg, t, loop = run.settings.model, run.settings.train, run.settings.loop
+    check_flags_together(t, run.args)
     crop = int(t.seconds * SAMPLE_RATE)
     try:
         arrays, val_items, source = build_data(t, crop)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"error: {e}") from None
     noisy = noisy_scores(val_items)
+    if t.data or t.clean:  # a user's own data: validation that cannot be scored is refused before step 1
+        unscored = check_validation(val_items)
+        note_files(f"{len(unscored)} of {len(val_items)} validation files cannot be scored", unscored)
+        if val_items:
+            check_scores(noisy(), len(val_items))
     torch.manual_seed(loop.seed)
     model = MBSNet(cfg)
     if t.noisy_phase:

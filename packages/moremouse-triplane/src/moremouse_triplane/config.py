@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 from memfit.train import config
-from memfit.train.config import check_config, check_fields
+from memfit.train.config import COUNT0, RATE, STEPS, WEIGHT, check_config
 from memfit.train.settings import LoopConfig, Settings
 
 
@@ -73,8 +73,12 @@ class TriplaneConfig:
     RANGES: ClassVar[dict[str, str]] = {
         **dict.fromkeys(("image_size", "patch_size", "encoder_dim", "encoder_depth", "encoder_heads",
                          "plane_res", "width", "heads", "head_dim", "depth", "ff_mult", "out_channels",
-                         "decoder_hidden", "decoder_layers", "rays_per_scene", "num_targets"), ">=1"),
-        "bbox": ">0",
+                         "decoder_hidden", "decoder_layers", "num_targets"), "[1, 2**16]"),
+        **dict.fromkeys(("rays_per_scene", "render_chunk"), "[1, 2**24]"),
+        "samples_per_ray": "[2, 2**16]",
+        **dict.fromkeys(("view_features", "hull_probes"), "[0, 2**16]"),
+        "carve": "[0, 1)",
+        "bbox": "(0, 1e6]",
     }  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -91,13 +95,9 @@ class TriplaneConfig:
                 f"upsampler must be deconv|pixelshuffle, got {self.upsampler!r}",
             ),
             (self.combine in ("concat", "sum"), f"combine must be 'concat' or 'sum', got {self.combine!r}"),
-            (self.samples_per_ray >= 2, "samples_per_ray must be >= 2"),
-            (self.render_chunk >= 1, "render_chunk must be >= 1"),
-            (self.view_features >= 0, "view_features must be >= 0"),
             (self.pixel_features or not self.view_features, "view_features needs pixel_features"),
-            (0.0 <= self.carve < 1.0, "carve must be in [0, 1)"),
             (self.pixel_features or not self.carve, "carve needs pixel_features"),
-            (self.hull_probes >= 0 and (self.carve or not self.hull_probes), "hull_probes needs carve > 0"),
+            (self.carve or not self.hull_probes, "hull_probes needs carve > 0"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -173,9 +173,19 @@ class TrainConfig:
     val_scenes: int = 8  # held-out scenes validated on (0: no validation, no best.pt)
     eval_every: int = 200  # validation on held-out scenes every N steps (best.pt by PSNR)
 
+    RANGES: ClassVar[dict[str, str]] = {
+        "num_scenes": COUNT0,
+        "batch_size": "[1, 2**20]",
+        "lr": RATE,
+        "weight_decay": WEIGHT,
+        "warmup": STEPS,
+        "schedule_steps": "[1, 2**53]",
+        "val_scenes": "[0, 2**20]",
+        "eval_every": STEPS,
+    }
+
     def __post_init__(self) -> None:
-        check_fields(self, num_scenes=">=0", batch_size=">=1", lr=">0", weight_decay=">=0", warmup=">=0")
-        check_fields(self, schedule_steps=">=1", val_scenes=">=0", eval_every=">=0")
+        check_config(self)
 
 
 def _paper(name: str):

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_eval_args(p, "moremouse-triplane")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     apply_threads(args)
-    check_numbers(args, num_scenes=">=1")
+    check_numbers(args, num_scenes="[1, 2**20]", seed="0..2**63-1")
     device = resolve_device(args.device)
     run = resolve_run(args.run, "moremouse-triplane", args.runs_dir)
     out = eval_out_dir(args, run, (args.data,))

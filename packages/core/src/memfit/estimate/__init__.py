@@ -68,6 +68,9 @@ from memfit.estimate.trace import (  # noqa: F401 - re-exported: the names `memf
     trace_target,
 )
 
+MAX_RANKS = 2**20
+MAX_BATCH = 2**31 - 1
+
 # ----------------------------------------------------------------------------------------------------
 # Output
 # ----------------------------------------------------------------------------------------------------
@@ -131,6 +134,7 @@ class EstimateResult:
     ranks: int = 1
     shard: str = "ddp"
     per_rank_bytes: int | None = None  # at the given batch, when ranks > 1
+    fsdp_units: str | None = None  # with shard fsdp and ranks > 1: the units assumed (FsdpUnits.rule)
     extra: list[str] = field(default_factory=list)  # text sections after the main one
     cuda_kernels: str | None = (
         None  # on --device cuda: the cuda extra's kernels the step used (Target.describe)
@@ -248,6 +252,8 @@ class EstimateResult:
                 "shard": self.shard,
                 "peak_gib": self.per_rank_bytes / GIB,
             }
+            if self.fsdp_units is not None:
+                out["per_rank"]["fsdp_units"] = self.fsdp_units
         if self.fit is not None:
             out["fit"] = self.fit.to_dict()
         return out
@@ -307,6 +313,8 @@ class EstimateResult:
                 f"Per rank at batch {self.target.knobs.get('batch', '?')} ({self.ranks} ranks, "
                 f"{self.shard}): {fmt_bytes(self.per_rank_bytes)}",
             ]
+            if self.fsdp_units is not None:
+                lines.append(f"  FSDP units assumed: {self.fsdp_units}")
         if self.fit is not None:
             lines += ["", self.fit.format()]
         return "\n".join(lines)
@@ -351,15 +359,23 @@ def estimate(
     ranks: int = 1,
     shard: str = "ddp",
     max_batch: int = 4096,
+    fsdp_units: str | None = None,
 ) -> EstimateResult:
     """Trace `target` and add what was asked: what-ifs, the scaling over `scale` (a knob; with what-ifs
-    the batch by default), the per-rank peak (ranks > 1) and the largest batch under `gpu_gib`."""
+    the batch by default), the per-rank peak (ranks > 1) and the largest batch under `gpu_gib`.
+    `fsdp_units` (a regular expression of module names, ``--fsdp_units``): the modules FSDP wraps, for
+    shard "fsdp" (default: the repeated blocks, else the whole model as one unit)."""
+    if fsdp_units is not None and (shard != "fsdp" or ranks < 2):
+        raise UsageError("error: --fsdp_units names FSDP's units; give it with --shard fsdp --ranks N, N > 1")
     if gpu_gib is not None and not (math.isfinite(gpu_gib) and gpu_gib > 0):
         raise UsageError(f"error: --gpu_gib must be a positive number of GiB, got {gpu_gib:g}")
     if not 0 <= margin < 1:
         raise UsageError(f"error: --margin is a fraction in [0, 1), e.g. 0.1; got {margin:g}")
     if ranks < 1 or top < 1 or max_batch < 1:
         raise UsageError("error: --ranks, --top and --max_batch must be at least 1")
+    if ranks > MAX_RANKS or max_batch > MAX_BATCH:  # a batch past 2**31 overflows a tensor's storage size
+        raise UsageError(f"error: --ranks is at most {MAX_RANKS} and --max_batch at most {MAX_BATCH}; got "
+                         f"{ranks} and {max_batch}")  # fmt: skip
     result = EstimateResult(target, trace_target(target), top, ranks=ranks, shard=shard)
     for note in result.trace.report.notes:  # what the estimate assumed: said in the setup line
         if note not in target.describe:
@@ -373,10 +389,14 @@ def estimate(
         result.scaling = explain.scaling(target, knob, result.trace)
     gather = 0
     if ranks > 1:
-        gather = explain.fsdp_gathered_bytes(target.step()) if shard == "fsdp" else 0
+        if shard == "fsdp":
+            units = explain.fsdp_units(target.step(), fsdp_units)
+            gather, result.fsdp_units = units.gathered_bytes, units.rule
         result.per_rank_bytes = explain.per_rank_bytes(result.trace, ranks, shard, gather)
     if gpu_gib is not None:
-        result.fit = explain.fit_batch(target, gpu_gib, margin, ranks, shard, max_batch, result.trace)
+        result.fit = explain.fit_batch(
+            target, gpu_gib, margin, ranks, shard, max_batch, result.trace, units=fsdp_units
+        )
     if what_ifs and ranks == 1 and (known := capacity(target.device, gpu_gib)) is not None:
         where, nbytes, device = known
         result.fits = explain.check_fits(
@@ -428,6 +448,7 @@ def estimate_model(
     freeze: str | None = None,
     optimizer: str | None = None,
     accumulate: int | None = None,
+    fsdp_units: str | None = None,
 ) -> EstimateResult:
     """``memfit.estimate(...)``: the training-step memory of a model, from a notebook.
 
@@ -438,6 +459,7 @@ def estimate_model(
     float32); ``loss``: "classes", "same" or "sum" (as ``--target``); ``amp``: None, "bf16" or "fp16";
     ``device``: "cpu" or "cuda" (the kernels a CUDA run takes); ``explain``: the what-ifs (and the batch
     scaling); ``gpu_gib``: the largest batch under that GPU size; ``ranks`` / ``shard``: per-rank figures.
+    ``fsdp_units`` (shard "fsdp"): a regular expression naming the modules FSDP wraps (``--fsdp_units``).
     ``cuda_kernels`` (device "cuda"): whether the GPU has the ``cuda`` extra's Mamba kernels (None: what
     this machine's GPU has, or yes without one; ``--no_cuda_kernels`` is False). ``gpu`` (device "cuda"):
     the card, as ``--gpu`` takes it ("h100", "a100", "8.6"; None: this machine's GPU, else an H200).
@@ -482,6 +504,7 @@ def estimate_model(
             margin=margin,
             ranks=ranks,
             shard=shard,
+            fsdp_units=fsdp_units,
         )
 
 
@@ -626,6 +649,13 @@ def add_parser(sub) -> None:
     p.add_argument("--measure", action="store_true", help=MEASURE_HELP)
     p.add_argument("--ranks", type=int, default=1, help="data-parallel ranks: the per-rank peak (and fit)")
     p.add_argument("--shard", choices=["ddp", "fsdp"], default="ddp", help="how ranks hold the state")
+    p.add_argument(
+        "--fsdp_units",
+        metavar="REGEX",
+        help="with --shard fsdp: the modules fully_shard wraps, by name matched whole (e.g. "
+        "'layers\\.\\d+', or '\\d+' for the children of a Sequential); default: the repeated blocks, else "
+        "the whole model as one unit (the report says which)",
+    )
     p.add_argument("--max_batch", type=int, default=4096)
     p.add_argument("--json", action="store_true", help="everything as one JSON object")
     p.add_argument("--timeline", metavar="PNG", help="draw memory over the step to this PNG file")
@@ -639,6 +669,14 @@ def main(args) -> int:
 
 
 def _main(args) -> int:
+    """The command, its user's code run in a child process (memfit.estimate.child): a target that exits or
+    kills itself is one line naming how and when, not a silent exit 7 or 137."""
+    from memfit.estimate.child import in_child
+
+    return in_child(lambda: _estimate_command(args))
+
+
+def _estimate_command(args) -> int:
     if args.measure:
         from memfit.estimate.measure import require_gpu
 
@@ -668,6 +706,7 @@ def _main(args) -> int:
             margin=args.margin,
             ranks=args.ranks,
             shard=args.shard,
+            fsdp_units=args.fsdp_units,
             max_batch=args.max_batch,
         )
     fit = result.fit

@@ -26,6 +26,7 @@ block computing, the one prefetched, and the computing block's unsharded gradien
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from functools import partial
@@ -50,6 +51,7 @@ from memfit.estimate.trace import (
     Trace,
     fmt_bytes,
     log2_fit,
+    merge_paths,
     trace_step,
     trace_target,
 )
@@ -103,20 +105,88 @@ def checkpointed(step: TrainStep) -> TrainStep:
     return replace(step, build_model=build)
 
 
-def block_param_bytes(step: TrainStep) -> tuple[int, int]:
-    """(largest block's parameter bytes, number of blocks), built on the meta device (no memory)."""
+def _meta_model(step: TrainStep) -> nn.Module:
+    """The step's model built on the meta device (no memory), else under fake tensors."""
     try:
         with torch.device("meta"):
-            model = step.build_model()
+            return step.build_model()
     except Exception:  # a model that cannot be built on meta: look for blocks under fake tensors instead
         from memfit.estimate.memory import fake_mode
 
         with fake_mode():
-            model = step.build_model()
-    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for _, b in find_blocks(model)]
+            return step.build_model()
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def block_param_bytes(step: TrainStep) -> tuple[int, int]:
+    """(largest block's parameter bytes, number of blocks), built on the meta device (no memory)."""
+    model = _meta_model(step)
+    sizes = [_param_bytes(b) for _, b in find_blocks(model)]
     if not sizes:
-        return sum(p.numel() * p.element_size() for p in model.parameters()), 0
+        return _param_bytes(model), 0
     return max(sizes), len(sizes)
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """The modules FSDP2's ``fully_shard`` wraps before the root: each a unit whose parameters are gathered
+    whole while it computes. ``rule`` says how they were chosen (the report shows it)."""
+
+    names: tuple[str, ...]  # () : the whole model is one unit
+    largest_bytes: int  # the largest unit's parameter bytes
+    rule: str
+
+    @property
+    def gathered_bytes(self) -> int:
+        """What is held unsharded beside the sharded state at a rank's peak (per_rank_bytes): three units'
+        parameter bytes with two or more units, else two copies of the one unit (parameters and grads)."""
+        return (3 if len(self.names) >= 2 else 2) * self.largest_bytes
+
+
+def unit_modules(model: nn.Module, pattern: str | None = None) -> list[tuple[str, nn.Module]]:
+    """The modules to wrap: those whose name (``layers.3``, ``0``) `pattern` matches whole, outermost only;
+    without a pattern, the repeated blocks (find_blocks). UsageError for a pattern that matches nothing."""
+    if pattern is None:
+        return find_blocks(model)
+    try:
+        rx = re.compile(pattern)
+    except re.error as e:
+        raise UsageError(f"error: --fsdp_units {pattern!r} is not a regular expression ({e})") from None
+    units: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if name and rx.fullmatch(name) and not any(name.startswith(u + ".") for u, _ in units):
+            units.append((name, module))
+    if not units:
+        names = [n for n, _ in model.named_modules() if n]
+        shown = merge_paths(set(names[:200])) if names else "(the model has no submodules)"
+        raise UsageError(
+            f"error: --fsdp_units {pattern!r} matches no module name (whole); the names are like {shown}"
+        )
+    return units
+
+
+def fsdp_units(step: TrainStep, pattern: str | None = None) -> FsdpUnits:
+    """The FSDP units of the step's model: those `pattern` names (``--fsdp_units``), else its repeated
+    blocks, else the whole model as one unit; built on the meta device."""
+    model = _meta_model(step)
+    units = unit_modules(model, pattern)
+    if not units:
+        rule = ("the whole model is one unit (no repeated blocks with submodules found; --fsdp_units REGEX "
+                "names the modules to wrap)")  # fmt: skip
+        return FsdpUnits((), _param_bytes(model), rule)
+    names = tuple(n for n, _ in units)
+    sizes = [_param_bytes(m) for _, m in units]
+    which = f"modules matching --fsdp_units '{pattern}'" if pattern is not None else "repeated blocks"
+    rule = f"{len(names)} {which} ({merge_paths(set(names))}), largest {fmt_bytes(max(sizes))}, then the root"
+    return FsdpUnits(names, max(sizes), rule)
+
+
+def fsdp_gathered_bytes(step: TrainStep, pattern: str | None = None) -> int:
+    """FsdpUnits.gathered_bytes of the step's model (``fsdp_units``)."""
+    return fsdp_units(step, pattern).gathered_bytes
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -369,14 +439,6 @@ def scaling(target: Target, knob: str, base_trace: Trace | None = None, factors=
 # ----------------------------------------------------------------------------------------------------
 
 
-def fsdp_gathered_bytes(step: TrainStep) -> int:
-    """What FSDP2 holds unsharded beside the sharded state at a rank's peak (see per_rank_bytes): three
-    blocks' parameter bytes when the model has repeated blocks (each its own fully_shard unit), else two
-    copies of the whole model (one unit: its gathered parameters and its unsharded gradients)."""
-    largest, blocks = block_param_bytes(step)
-    return (3 if blocks >= 2 else 2) * largest
-
-
 def per_rank_bytes(trace: Trace, ranks: int, shard: str, gathered_bytes: int = 0) -> int:
     """One rank's peak from the single-process trace.
 
@@ -398,9 +460,10 @@ def per_rank_bytes(trace: Trace, ranks: int, shard: str, gathered_bytes: int = 0
     return peak - state + math.ceil(state / ranks) + gathered_bytes
 
 
-def sharded(step: TrainStep, shard: str) -> TrainStep:
-    """The step with its model wrapped as `shard` says: DDP, or FSDP2's fully_shard on every block that
-    find_blocks finds and then on the root (the process group must be up)."""
+def sharded(step: TrainStep, shard: str, units: str | None = None) -> TrainStep:
+    """The step with its model wrapped as `shard` says: DDP, or FSDP2's fully_shard on every unit
+    (unit_modules: those `units` names, else the blocks find_blocks finds) and then on the root (the
+    process group must be up)."""
 
     def build():
         model = step.build_model()
@@ -408,7 +471,7 @@ def sharded(step: TrainStep, shard: str) -> TrainStep:
             return nn.parallel.DistributedDataParallel(model)
         from torch.distributed.fsdp import fully_shard
 
-        for _, block in find_blocks(model):
+        for _, block in unit_modules(model, units):
             fully_shard(block)
         return fully_shard(model)
 
@@ -416,10 +479,16 @@ def sharded(step: TrainStep, shard: str) -> TrainStep:
 
 
 def measure_per_rank(
-    spec: str, inputs: list[str] | None, shard: str, ranks: int = 2, loss_target: str = "classes"
+    spec: str,
+    inputs: list[str] | None,
+    shard: str,
+    ranks: int = 2,
+    loss_target: str = "classes",
+    units: str | None = None,
 ) -> list[int]:
-    """Each rank's real peak of `memfit estimate SPEC --input ...`'s step under DDP or FSDP2: `ranks`
-    processes (torch.multiprocessing spawn, gloo on CPU), each measured as measure_training_step does."""
+    """Each rank's real peak of `memfit estimate SPEC --input ...`'s step under DDP or FSDP2 (its units:
+    `units` as --fsdp_units names them, else the repeated blocks): `ranks` processes (torch.multiprocessing
+    spawn, gloo on CPU), each measured as measure_training_step does."""
     import socket
 
     import torch.multiprocessing as mp
@@ -429,7 +498,7 @@ def measure_per_rank(
         port = sock.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    args = (ranks, port, spec, inputs, loss_target, shard, queue)
+    args = (ranks, port, spec, inputs, loss_target, shard, queue, units)
     procs = [ctx.Process(target=_rank_worker, args=(r, *args)) for r in range(ranks)]
     for p in procs:
         p.start()
@@ -444,7 +513,7 @@ def measure_per_rank(
     return [results[r] for r in range(ranks)]
 
 
-def _rank_worker(rank, ranks, port, spec, inputs, loss_target, shard, queue) -> None:
+def _rank_worker(rank, ranks, port, spec, inputs, loss_target, shard, queue, units=None) -> None:
     import os
 
     import torch.distributed as dist
@@ -457,7 +526,7 @@ def _rank_worker(rank, ranks, port, spec, inputs, loss_target, shard, queue) -> 
     dist.init_process_group("gloo", rank=rank, world_size=ranks)
     try:
         step = load_target(spec, inputs, target=loss_target).step()
-        queue.put((rank, measure_training_step(sharded(step, shard)).peak_bytes))
+        queue.put((rank, measure_training_step(sharded(step, shard, units)).peak_bytes))
     except Exception as exc:  # reported by the parent
         queue.put((rank, f"{type(exc).__name__}: {exc}"))
     finally:
@@ -515,6 +584,7 @@ def fit_batch(
     max_batch: int = 4096,
     base_trace: Trace | None = None,
     device: str = "cuda",
+    units: str | None = None,
 ) -> BatchFit:
     """The largest batch whose step fits a GPU of ``gpu_gib`` under the margin rule (``memfit.estimate.fit``):
     a CUDA estimate's card total per rank, a CPU estimate's peak (``device="cpu"``: ``gpu_gib`` is the
@@ -524,7 +594,7 @@ def fit_batch(
             "error: --gpu_gib needs a batch knob: give your function a `batch` keyword argument, "
             "e.g. def step(batch: int = 32) -> TrainStep"
         )
-    gather = fsdp_gathered_bytes(target.step()) if shard == "fsdp" and ranks > 1 else 0
+    gather = fsdp_gathered_bytes(target.step(), units) if shard == "fsdp" and ranks > 1 else 0
     base_b = target.knobs["batch"]
 
     def needs_gib(b: int) -> float:

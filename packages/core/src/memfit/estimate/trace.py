@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import UsageError, first_line
-from memfit.estimate import allocator
+from memfit.estimate import allocator, child
 from memfit.estimate.memory import (
     _QUERIES,
     AMP_DTYPES,
@@ -88,6 +88,16 @@ _PHASE_LABELS = {
 
 class TraceTracker(_StorageTracker):
     """A fake-tensor storage tracker that also records op, module path, shape, saved-ness and lifetime."""
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @phase.setter
+    def phase(self, value: str) -> None:  # said to a parent process (memfit.estimate.child) as it changes
+        if value != getattr(self, "_phase", None):
+            child.note(_PHASE_TEXT.get(value, f"in {value}"))
+        self._phase = value
 
     def __init__(self) -> None:
         self.phases: list[tuple[int, str]] = []  # (seq, phase) at each change: the phase's events follow seq
@@ -572,7 +582,9 @@ def _first_tensor(out):
 def load_target(spec: str, *args, **kwargs) -> Target:
     """TARGET (+ --input shapes) -> a Target: the callable `spec` names, then make_target with the rest of
     the arguments. Raises UsageError for every user mistake."""
+    child.note("while importing the target")
     fn, spec = _load_callable(spec)
+    child.note("while building the model")
     return make_target(fn, spec, *args, **kwargs)
 
 

@@ -7,8 +7,10 @@ preset with fields replaced; ``check_fields(self, lr=">0")`` validates numbers i
 Each package's ``config.get_config(name, **overrides)`` is this function bound to its PRESETS.
 
 Every number a user can give a config is validated in one place, ``check_config``: each field's declared
-range (the class's ``RANGES``, e.g. ``{"channels": ">=1", "seed": "0..2**63-1"}``) and the rules every
-number obeys (finite; an int within 64 bits). It runs wherever values enter a config from outside: flags
+range with both ends (the class's ``RANGES``, e.g. ``{"channels": "[1, 2**16]", "beta1": "[0, 1)", "seed":
+"0..2**63-1"}``; COUNT, STEPS, RATE, DECAY, SHARE and WEIGHT name the common ones), the relations between
+fields (``RELATIONS``, e.g. ``(("min_lr", "<=", "lr"),)``) and the rules every number obeys (finite; an
+int within 64 bits). It runs wherever values enter a config from outside: flags
 and files (``memfit.train.settings.override``, so at parse time), checkpoints and exports (``from_dict``)
 and load-time overrides (``with_overrides``); a config whose ``__post_init__`` divides by a size calls it
 first.
@@ -28,7 +30,19 @@ C = TypeVar("C")
 
 INT64_MAX = 2**63 - 1
 _BOUND = r"-?(?:2\*\*\d+(?:-1)?|\d+(?:\.\d*)?(?:e-?\d+)?)"
-_RULE = re.compile(rf"^(?:(?P<op>>=|>|<=|<)(?P<bound>{_BOUND})|(?P<low>{_BOUND})\.\.(?P<high>{_BOUND}))$")
+_RULE = re.compile(
+    rf"^(?:(?P<op>>=|>|<=|<)(?P<bound>{_BOUND})|(?P<low>{_BOUND})\.\.(?P<high>{_BOUND})"
+    rf"|(?P<open>[\[(])(?P<lo>{_BOUND}),(?P<hi>{_BOUND})(?P<close>[\])]))$"
+)
+
+# Ranges with both ends that most settings share (a RANGES entry may also spell its own):
+COUNT = "[1, 2**31-1]"  # a size or a count of things (channels, layers, files, a batch)
+COUNT0 = "[0, 2**31-1]"  # the same where 0 means none / off
+STEPS = "[0, 2**53]"  # a step count or interval (0: off or at the end); 2**53: still exact as a float
+RATE = "(0, 10]"  # a learning rate (above 10 no optimizer step is finite for long)
+DECAY = "[0, 1)"  # a decay or momentum per step (AdamW's betas, an EMA)
+SHARE = "[0, 1]"  # a probability or a share
+WEIGHT = "[0, 1e4]"  # a loss weight or a weight decay
 
 
 def _bound(text: str) -> float:
@@ -40,32 +54,67 @@ def _bound(text: str) -> float:
     return float(text) if any(c in text for c in ".e") else int(text)
 
 
-def _rule(rule: str) -> tuple[Callable[[float], bool], str]:
-    """A range rule -> (test, text): ">0", ">=1", ">=0.0001", "<1" and "LOW..HIGH" (inclusive)."""
+def _rule(rule: str) -> tuple[Callable[[float], bool], Callable[[float], str]]:
+    """A range rule -> (test, text of what a value must be): ">0", ">=1", ">=0.0001", "<1", "LOW..HIGH"
+    (inclusive; the text names the range) and intervals "[0, 1)", "(0, 10]" (the text names the end a
+    value falls outside of: "< 1" for 1e30, "> 0" for 0 and NaN)."""
     m = _RULE.match(rule.replace(" ", ""))
     if m is None:
-        raise ValueError(f"not a range rule: {rule!r} (>0, >=1, >=0.0001, 0..2**63-1)")
+        raise ValueError(f"not a range rule: {rule!r} (>0, >=1, >=0.0001, 0..2**63-1, [0, 1), (0, 10])")
     if m["op"]:
         b, op = _bound(m["bound"]), m["op"]
         tests = {">": lambda v: v > b, ">=": lambda v: v >= b, "<": lambda v: v < b, "<=": lambda v: v <= b}
-        return tests[op], f"{op} {m['bound']}"
-    low, high = _bound(m["low"]), _bound(m["high"])
-    return (lambda v: low <= v <= high), f"in {m['low']}..{m['high']}"
+        return tests[op], lambda v: f"{op} {m['bound']}"
+    if m["low"]:
+        low, high = _bound(m["low"]), _bound(m["high"])
+        return (lambda v: low <= v <= high), lambda v: f"in {m['low']}..{m['high']}"
+    lo, hi = _bound(m["lo"]), _bound(m["hi"])
+    lo_ok = (lambda v: v >= lo) if m["open"] == "[" else (lambda v: v > lo)
+    hi_ok = (lambda v: v <= hi) if m["close"] == "]" else (lambda v: v < hi)
+    lo_text = (">= " if m["open"] == "[" else "> ") + m["lo"]
+    hi_text = ("<= " if m["close"] == "]" else "< ") + m["hi"]
+    return (lambda v: lo_ok(v) and hi_ok(v)), lambda v: hi_text if lo_ok(v) else lo_text
+
+
+def rule_ends(rule: str) -> tuple[float, float]:
+    """The two ends of a range rule (-inf or inf for a side it leaves open): what a test checks every
+    numeric setting declares."""
+    m = _RULE.match(rule.replace(" ", ""))
+    if m is None:
+        raise ValueError(f"not a range rule: {rule!r}")
+    if m["op"]:
+        b = _bound(m["bound"])
+        return (b, math.inf) if m["op"].startswith(">") else (-math.inf, b)
+    if m["low"]:
+        return _bound(m["low"]), _bound(m["high"])
+    return _bound(m["lo"]), _bound(m["hi"])
 
 
 def check_fields(obj: Any, **rules: str) -> None:
     """check_fields(self, lr=">0", batch_size=">=1") raises ValueError "lr must be > 0, got 0" (rules
-    ">0", ">=0", ">=1", any ">x" / ">=x" / "<x" / "<=x", and "LOW..HIGH"; None is skipped; NaN, infinity,
-    bools and strings are refused)."""
+    ">0", ">=0", ">=1", any ">x" / ">=x" / "<x" / "<=x", "LOW..HIGH" and intervals "[0, 1)"; a tuple's
+    every element is checked; None is skipped; NaN, infinity, bools and strings are refused)."""
     for name, rule in rules.items():
         value = getattr(obj, name, None)
-        if value is None:
-            continue
-        ok, text = _rule(rule)
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not number or not math.isfinite(value) or not ok(value):
-            shown = f"{value:g}" if number else repr(value)
-            raise ValueError(f"{name} must be {text}, got {shown}")
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if v is None:
+                continue
+            ok, text = _rule(rule)
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not number or not math.isfinite(v) or not ok(v):
+                shown = f"{v:g}" if number else repr(v)
+                raise ValueError(f"{name} must be {text(v) if number else text(0)}, got {shown}")
+
+
+def check_relations(obj: Any) -> None:
+    """The relations a config class declares between its fields (RELATIONS, e.g. (("min_lr", "<=",
+    "lr"),)), skipped where either side is None: ValueError "min_lr must be <= lr (0.001), got 1" (the
+    field first, as __post_init__ messages)."""
+    tests = {"<=": lambda a, b: a <= b, "<": lambda a, b: a < b, ">=": lambda a, b: a >= b}
+    for left, op, right in getattr(type(obj), "RELATIONS", ()):
+        a, b = getattr(obj, left), getattr(obj, right)
+        if a is not None and b is not None and not tests[op](a, b):
+            raise ValueError(f"{left} must be {op} {right} ({b:g}), got {a:g}")
 
 
 def check_config(obj: Any) -> None:
@@ -74,6 +123,7 @@ def check_config(obj: Any) -> None:
     are never a rate, a weight or a size) and, for an int, within 64 bits (torch's seeds and sizes).
     ValueError "channels must be >= 1, got 0" (the field first, as __post_init__ messages)."""
     check_fields(obj, **getattr(type(obj), "RANGES", {}))
+    check_relations(obj)
     for f in fields(obj):
         value = getattr(obj, f.name)
         for v in value if isinstance(value, (tuple, list)) else (value,):

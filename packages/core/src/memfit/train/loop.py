@@ -52,10 +52,22 @@ from memfit.train.checkpoint import (
 )
 from memfit.train.config import config_dict, config_difference
 from memfit.train.cpu import keep_freed_memory, set_threads
-from memfit.train.distributed import init_distributed, leave_distributed
+from memfit.train.distributed import (
+    collective_failure,
+    destroy_group_quietly,
+    init_distributed,
+    leave_distributed,
+    same_everywhere,
+)
 from memfit.train.metrics_log import MetricsLog
 from memfit.train.run_dir import RunFolder
-from memfit.train.settings import LoopConfig, TrainRun, tree_dict, write_run_config
+from memfit.train.settings import (
+    WARMUP_MAX_FRACTION,
+    LoopConfig,
+    TrainRun,
+    tree_dict,
+    write_run_config,
+)
 
 
 def set_seed(seed: int) -> None:
@@ -96,9 +108,6 @@ class Progress:
         if self.budget_s:
             parts.append(self.seconds / self.budget_s)
         return min(1.0, max(0.0, *parts)) if parts else 0.0
-
-
-WARMUP_MAX_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -244,6 +253,8 @@ class Trainer:
         self.dist = init_distributed(self.device)
         self.run_dir = Path(self.run_dir) if self.run_dir is not None else self.cfg.run_dir(self.system)
         self.folder = RunFolder(self.run_dir)
+        if self.dist.world_size > 1:  # before anything is written: ranks that differ train nothing
+            self._check_ranks_agree()
         if self.dist.is_main:  # a folder that holds a run is refused before the pre-flight's estimate
             self.folder.check(self.resume, self.overwrite)
         if self.cfg.preflight and self.memory_step is not None and self.batch_size is not None:
@@ -290,6 +301,54 @@ class Trainer:
             self.ddp = self.model = nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
         if self.cfg.compile:  # after the DDP wrap (DDPOptimizer); accumulation uses self.ddp.no_sync
             self.model = torch.compile(self.model)
+
+    # -- DDP: ranks that agree, and a peer that is gone ----------------------------------------------
+    def _rank_settings(self) -> dict[str, Any]:
+        """What every rank must hold alike: the system, the resolved settings (or the loop's alone), the
+        model config and the model's parameter names, shapes and dtypes (self.model: not wrapped yet)."""
+        settings = tree_dict(self.settings) if self.settings is not None else {"loop": tree_dict(self.cfg)}
+        params = {n: "x".join(map(str, p.shape)) + f" {p.dtype}" for n, p in self.model.named_parameters()}
+        return {"system": self.system, "settings": settings, "config": config_dict(self.config),
+                "parameter": params}  # fmt: skip
+
+    def _check_ranks_agree(self) -> None:
+        """Ranks started with other flags or files (another preset, another size) would fail in DDP's own
+        check with a traceback each, or train apart: they compare a hash of their settings and parameter
+        shapes first, and refuse a difference in one line (rank 0 says it; the others exit with 2)."""
+        try:
+            differs = same_everywhere(self._rank_settings())
+        except Exception as e:
+            if (cause := collective_failure(e)) is None:
+                raise
+            raise UsageError(
+                f"error: rank {self.dist.rank} of {self.dist.world_size} could not compare settings with the "
+                f"other ranks ({cause}); start every rank again"
+            ) from None
+        if differs is None:
+            return
+        rank, what = differs
+        destroy_group_quietly()
+        if not self.dist.is_main:
+            raise SystemExit(2)
+        raise UsageError(
+            f"error: rank {rank} was started with other settings than rank 0 ({what}); start every rank "
+            "with the same flags and files"
+        )
+
+    def _lost_peers(self, cause: str) -> UsageError:
+        """A collective that failed mid-run (a peer rank died or was stopped): every rank stops. Stop
+        signals are ignored from here on (torchrun sends SIGTERM to the survivors: they are stopping
+        already); a lock left by a rank 0 that died is removed by the survivors (same machine)."""
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(s, signal.SIG_IGN)
+        if not self.dist.is_main and self.dist.local_world_size == self.dist.world_size:
+            self.folder.release_dead()
+        return UsageError(
+            f"error: rank {self.dist.rank} of {self.dist.world_size} lost its peers in step {self.step + 1} "
+            f"({cause}): another rank died or was stopped; every rank stops, no checkpoint of this step; "
+            f"{self._last_saved()}"
+        )
 
     # -- progress ---------------------------------------------------------------------------------
     def progress(self) -> Progress:
@@ -452,27 +511,37 @@ class Trainer:
         """
         old_handlers = self._catch_signals()
         finished = False
+        lost = None
         try:
             last = self._fit()
             finished = True
             return last
+        except Exception as e:  # a peer rank gone: one line naming this rank and the cause
+            if self.dist.world_size == 1 or (lost := collective_failure(e)) is None:
+                raise
+            raise self._lost_peers(lost) from None
         finally:
-            for signum, handler in old_handlers.items():
-                signal.signal(signum, handler)
+            if lost is None:
+                for signum, handler in old_handlers.items():
+                    signal.signal(signum, handler)
             self.metrics.close()
             if self.dist.is_main:
                 self.folder.release()
-            self._leave_ddp(finished)
+            self._leave_ddp(finished, lost is not None)
 
-    def _leave_ddp(self, finished: bool) -> None:
+    def _leave_ddp(self, finished: bool, lost: bool = False) -> None:
         """A Trainer fits once: after it, the model is the plain module again and the process group
-        is left (see leave_distributed), all ranks together when they all finished."""
+        is left (see leave_distributed), all ranks together when they all finished; `lost` (a peer is
+        gone): as far as it can be, quietly."""
         if self.ddp is None:
             return
         self.ddp = None
         self.model = self.raw_model
         gc.collect()  # the wrapper's reducer holds the group; it must go before the group does
-        leave_distributed(finished)
+        if lost:
+            destroy_group_quietly()
+        else:
+            leave_distributed(finished)
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -588,8 +657,10 @@ class Trainer:
                 raise KeyboardInterrupt
             self._signal, self._signal_at = signum, t
             if self.dist.is_main:
+                saving = ("saving a checkpoint if every rank finishes it" if self.dist.world_size > 1
+                          else "saving a checkpoint")  # fmt: skip
                 print(
-                    f"\n[memfit] {signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+                    f"\n[memfit] {signal.Signals(signum).name}: finishing this step and {saving} "
                     "(send it again to stop at once)",
                     file=sys.stderr,
                 )
@@ -628,6 +699,14 @@ class Trainer:
         with torch.no_grad(), autocast_context(self.cfg.amp, self.device):
             results = self.eval_fn(model)
         model.train()
+        nan = [k for k, v in results.items() if isinstance(v, float) and math.isnan(v)]
+        if nan:  # nothing to choose best.pt by, and the numbers after it would mean nothing: stop, saying so
+            self.metrics.write({"step": self.step, **{f"eval/{k}": v for k, v in results.items()}})
+            raise UsageError(
+                f"error: validation at step {self.step} scored nan ({', '.join(nan)}); the run stops rather "
+                f"than train on unscored; {self._last_saved()}; check that the validation files can be "
+                "scored and the loss is falling (a lower --lr)"
+            )
         record = {"step": self.step, **{f"eval/{k}": v for k, v in results.items()}}
         if self.best_metric is not None:
             if self.best_metric not in results:

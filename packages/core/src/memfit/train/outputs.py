@@ -87,6 +87,8 @@ def temp_path(path: Path) -> Path:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this machine (a zombie, dead but not yet reaped by its parent, e.g.
+    a torchrun rank killed a moment ago, does not)."""
     if pid <= 0:
         return False
     try:
@@ -95,7 +97,11 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:  # alive, owned by someone else
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc (macOS): what kill said
+        return True
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def remove_stale_temps(folder: Path, what: str = "an interrupted write") -> list[Path]:

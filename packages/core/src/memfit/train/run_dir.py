@@ -148,6 +148,19 @@ class RunFolder:
                 pass
             self.locked = False
 
+    def release_dead(self) -> bool:
+        """Remove the lock (and the temporary files) of a trainer that died on this machine: what a
+        surviving DDP rank does when rank 0, the lock's holder, was killed. Returns whether it did."""
+        try:
+            pid = int(self.lock.read_text().strip() or 0)
+        except (OSError, ValueError):
+            return False
+        if pid == os.getpid() or pid_alive(pid):
+            return False
+        self.lock.unlink(missing_ok=True)
+        remove_stale_temps(self.path, "an interrupted save")
+        return True
+
     def truncate_metrics(self, step: int) -> int:
         """Drop metrics rows after `step`, and lines that do not parse (each named in a warning); returns
         how many rows were dropped after `step`."""

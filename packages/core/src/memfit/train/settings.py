@@ -27,12 +27,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from memfit.errors import UsageError, os_error_message
-from memfit.train.config import check_config, check_fields
+from memfit.train.config import DECAY, STEPS, check_config
 from memfit.train.flags import Parser
 
 CONFIG_NAME = "config.json"  # the settings a run was started with, in its run folder
 SETTINGS_FORMAT = 1
 RUN_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+# A run with a step count warms up over at most this share of it (memfit.train.loop.WarmupCosine)
+WARMUP_MAX_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -66,17 +68,27 @@ class LoopConfig:
     # Estimate the step's memory before the first step and refuse a run that will not fit
     # (memfit.estimate.preflight)
     preflight: bool = True
-    RANGES: ClassVar[dict[str, str]] = {"seed": "0..2**63-1"}  # torch.manual_seed's range
+    # every number with both ends (memfit.train.config.check_config): refused at parse time in one line
+    RANGES: ClassVar[dict[str, str]] = {
+        "seed": "0..2**63-1",  # torch.manual_seed's range
+        "steps": STEPS,
+        "log_every": "[1, 2**53]",
+        "save_every": STEPS,
+        "grad_accum": "[1, 2**20]",
+        "keep_last": "[1, 2**20]",
+        "grad_clip": "[0, 1e6]",
+        "threads": "[1, 2**16]",
+        "measure_memory_steps": "[0, 2**20]",
+        "max_minutes": "(0, 1e7]",  # about 19 years
+        "ema": DECAY,
+    }
 
     def __post_init__(self) -> None:
+        if isinstance(self.ema, (int, float)) and not 0 <= self.ema < 1:  # NaN too; the line says what it is
+            raise ValueError(f"ema must be in [0, 1) (a decay per step, e.g. 0.995; 0 = off), got {self.ema}")
         check_config(self)
-        check_fields(self, steps=">=0", grad_accum=">=1", keep_last=">=1", log_every=">=1")
-        check_fields(self, save_every=">=0", grad_clip=">=0", max_minutes=">0", threads=">=1")
-        check_fields(self, measure_memory_steps=">=0")
         if self.steps is None and self.max_minutes is None:
             raise ValueError("steps must be given unless max_minutes is (a run needs an end)")
-        if not 0 <= self.ema < 1:
-            raise ValueError(f"ema must be in [0, 1) (a decay per step, e.g. 0.995; 0 = off), got {self.ema}")
         if self.amp not in ("bf16", "fp16", "none"):
             raise ValueError(f"amp must be one of bf16, fp16, none; got {self.amp!r}")
         check_run_name(self.run_name)
@@ -97,6 +109,21 @@ def check_run_name(name: str) -> None:
         raise ValueError(
             "run_name 'shipped' is kept for a package's own weights (`--run shipped`); choose another"
         )
+
+
+def note_warmup(tree: Any, flags: Mapping[str, Any], flag: str = "--warmup") -> str | None:
+    """A warmup given on the command line longer than the run: the schedule warms up over at most a tenth
+    of the steps (memfit.train.loop.WarmupCosine, as --help says), so the run is computable and keeps its
+    documented rule, but the user hears that their number is not the one used (a note, not a refusal: a
+    short test run of a long recipe is common). Returns the note it printed."""
+    warmup = getattr(tree.train, "warmup", None) if "train.warmup" in flags else None
+    steps = tree.loop.steps
+    if warmup is None or steps is None or warmup <= steps:
+        return None
+    used = min(warmup, int(steps * WARMUP_MAX_FRACTION))
+    note = f"[memfit] {flag} {warmup} is longer than the run (--steps {steps}): warming up over {used} steps"
+    print(note, file=sys.stderr)
+    return note
 
 
 @dataclass(frozen=True)
@@ -637,6 +664,8 @@ class TrainParser:
         if "loop.max_minutes" in flags and "loop.steps" not in flags and "loop.steps" not in given:
             flags["loop.steps"] = None
         tree = self._apply(tree, flags, "flags")
+        if dist_info().is_main:
+            note_warmup(tree, flags, self._named("train.warmup", "flags"))
         if args.resume and args.overwrite:
             raise UsageError("error: --resume and --overwrite contradict each other; pick one")
         if tree.loop.threads is not None:  # before data and model are built, not only once training starts
