@@ -631,7 +631,7 @@ def test_a_signal_during_the_start_up_imports_is_one_line(signum, status, says):
 def test_preflight_keeps_the_margin_on_a_shared_machine(monkeypatch):
     from memfit.errors import UsageError
     from memfit.estimate import fit, preflight
-    from memfit.estimate.memory import TrainStep
+    from memfit.step import TrainStep
     from torch import nn
 
     """The pre-flight once passed a step needing 22.17 of 22.33 GiB available: now the margin refuses it,

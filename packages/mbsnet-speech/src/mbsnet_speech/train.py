@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
     run: TrainRun = build_parser().parse(argv)
     import numpy as np
     import torch
-    from memfit.estimate.memory import AMP_DTYPES, TrainStep
+    from memfit.step import AMP_DTYPES, TrainStep
     from memfit.train.distributed import dist_info
     from memfit.train.loop import Trainer, WarmupCosine
 

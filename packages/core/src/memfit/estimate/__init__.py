@@ -39,7 +39,6 @@ from memfit.estimate import explain, finetune, rules
 from memfit.estimate.byname import load_target
 from memfit.estimate.cuda_memory import CudaFigures
 from memfit.estimate.fit import MARGIN
-from memfit.estimate.memory import GIB, WORKSPACES
 from memfit.estimate.target import DeviceTarget
 from memfit.estimate.trace import (  # noqa: F401 - re-exported: the names `memfit.estimate` has always had
     BORN,
@@ -67,6 +66,7 @@ from memfit.estimate.trace import (  # noqa: F401 - re-exported: the names `memf
     trace_step,
     trace_target,
 )
+from memfit.estimate.tracker import GIB, WORKSPACES
 
 MAX_RANKS = 2**20
 MAX_BATCH = 2**31 - 1

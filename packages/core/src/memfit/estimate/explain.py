@@ -39,7 +39,6 @@ from torch.utils.checkpoint import checkpoint
 from memfit.errors import UsageError
 from memfit.estimate import finetune
 from memfit.estimate.fit import MARGIN, largest_batch, needed_bytes, usable_bytes
-from memfit.estimate.memory import GIB, TrainStep
 from memfit.estimate.trace import (
     BORN,
     CAT,
@@ -55,6 +54,8 @@ from memfit.estimate.trace import (
     trace_step,
     trace_target,
 )
+from memfit.estimate.tracker import GIB
+from memfit.step import TrainStep
 
 MATMULS = {"bmm", "baddbmm"}  # batched: attention scores; a classifier's addmm -> log_softmax is not one
 
@@ -111,7 +112,7 @@ def _meta_model(step: TrainStep) -> nn.Module:
         with torch.device("meta"):
             return step.build_model()
     except Exception:  # a model that cannot be built on meta: look for blocks under fake tensors instead
-        from memfit.estimate.memory import fake_mode
+        from memfit.estimate.tracker import fake_mode
 
         with fake_mode():
             return step.build_model()
@@ -518,7 +519,7 @@ def _rank_worker(rank, ranks, port, spec, inputs, loss_target, shard, queue, uni
 
     import torch.distributed as dist
 
-    from memfit.estimate.memory import measure_training_step
+    from memfit.estimate.steps import measure_training_step
     from memfit.estimate.trace import load_target
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -36,18 +36,9 @@ from torch import nn
 
 from memfit.errors import UsageError, first_line
 from memfit.estimate import allocator, child
-from memfit.estimate.memory import (
-    _QUERIES,
-    AMP_DTYPES,
-    CATEGORIES,
-    GIB,
-    MemoryReport,
-    TrainStep,
-    _query,
-    _StorageTracker,
-    default_optimizer,
-    estimate_training_step,
-)
+from memfit.estimate.steps import estimate_training_step
+from memfit.estimate.tracker import _QUERIES, CATEGORIES, GIB, MemoryReport, _query, _StorageTracker
+from memfit.step import AMP_DTYPES, TrainStep, default_optimizer
 
 # Entry layout of a traced storage (a list, as _StorageTracker wants: [nbytes, category, ...]).
 NBYTES, CAT, OP, MODULE, SHAPE, DTYPE, SAVED, BORN, FREED, SRC = range(10)

@@ -35,8 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 from memfit.errors import UsageError, first_line, os_error_message, out_of_memory
-from memfit.estimate.memory import AMP_DTYPES, MIB, PeakMemory, training_state_tensors
 from memfit.estimate.preflight import MemoryStep, preflight
+from memfit.estimate.steps import PeakMemory, training_state_tensors
+from memfit.estimate.tracker import MIB
+from memfit.step import AMP_DTYPES
 from memfit.train.checkpoint import (
     BEST_NAME,
     CHECKPOINT_FORMAT,
