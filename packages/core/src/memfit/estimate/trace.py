@@ -80,16 +80,6 @@ _PHASE_LABELS = {
 class TraceTracker(_StorageTracker):
     """A fake-tensor storage tracker that also records op, module path, shape, saved-ness and lifetime."""
 
-    @property
-    def phase(self) -> str:
-        return self._phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:  # said to a parent process (memfit.estimate.child) as it changes
-        if value != getattr(self, "_phase", None):
-            child.note(_PHASE_TEXT.get(value, f"in {value}"))
-        self._phase = value
-
     def __init__(self) -> None:
         self.phases: list[tuple[int, str]] = []  # (seq, phase) at each change: the phase's events follow seq
         super().__init__(fake=True)
@@ -108,6 +98,10 @@ class TraceTracker(_StorageTracker):
 
     @phase.setter
     def phase(self, value: str) -> None:
+        """Recorded where it changes (``phases``, the timeline's shading) and said to a parent process
+        (``memfit.estimate.child``), so that a target that ends the process is named in its phase."""
+        if value != getattr(self, "_phase", None):
+            child.note(_PHASE_TEXT.get(value, f"in {value}"))
         self._phase = value
         if not self.phases or self.phases[-1][1] != value:
             self.phases.append((self.seq, value))
