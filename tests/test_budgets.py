@@ -83,3 +83,24 @@ def test_gpt2_window_never_costs_more_than_causal():
     causal, window = _estimate("gpt2-window", "causal"), _estimate("gpt2-window", "window")
     assert window.peak_bytes <= 1.02 * causal.peak_bytes
     assert _estimate("gpt2-window", "window-seed").peak_bytes > causal.peak_bytes
+
+
+def test_a_cuda_budget_of_window_attention_needs_no_gpu(capsys):
+    """`memfit budget --device cuda` on a machine without a GPU: the flash-attn record's capability rule
+    reads the card the estimate is for, not a CUDA device that is not there: on an H200 (sm90) flash-attn's
+    window is traced, on a T4 (sm75) the timed records' stand-in."""
+    import json
+
+    from memfit import cli
+    from memfit.ops import registry
+
+    took = {}
+    for gpu in ("h200", "t4"):
+        before = registry.traced("attention")
+        with pytest.raises(SystemExit) as e:
+            cli.main(["budget", "--system", "gpt2-window", "--device", "cuda", "--gpu", gpu, "--json"])
+        assert e.value.code == 0
+        assert all(r["estimated_gib"] > 0 for r in json.loads(capsys.readouterr().out))
+        took[gpu] = {k for k, n in registry.traced("attention").items() if n > before.get(k, 0)}
+    assert "flash" in took["h200"] and "flash" not in took["t4"]
+    assert any(registry.record_of("attention", name).timed for name in took["t4"])

@@ -230,7 +230,8 @@ def assume_kernels(kernels: frozenset[str]) -> Iterator[None]:
 def assumed_target() -> registry.Target:
     """The CUDA run a CUDA estimate made now stands for."""
     kernels = _assumed.get()
-    return registry.Target("cuda", registry.extra_kernels() if kernels is None else kernels)
+    card = workspaces.assumed_card()  # its capability decides what the kernels take (flash-attn: sm80+)
+    return registry.Target("cuda", registry.extra_kernels() if kernels is None else kernels, card.capability)
 
 
 def _dropout(func, args, kwargs):

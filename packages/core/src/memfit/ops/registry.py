@@ -161,10 +161,19 @@ def _cpu_conv_problem(x: torch.Tensor, weight: torch.Tensor, bias) -> str | None
     return None if x.is_floating_point() else f"x is {x.dtype}; the C kernel takes floating point"
 
 
+def _capability_of(t: torch.Tensor) -> tuple[int, int]:
+    """The compute capability ``t``'s ops run on: for a fake tensor in an estimate's trace, the card the
+    estimate is for (no GPU needed), else its own device's."""
+    target = current_target() if _is_fake(t) else None
+    if target is not None and target.capability is not None:
+        return target.capability
+    return capability(t.device)
+
+
 def _flash_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale=None) -> str | None:
     """flash_attn 2.8.3.post2 (flash_api.cpp): compute capability >= 8.0 (Ampere or newer), fp16/bf16,
     q/k/v one dtype, head dim <= 256 (same for q, k, v)."""
-    cap = capability(q.device)
+    cap = _capability_of(q)
     if tuple(cap) < FLASH_MIN_CAPABILITY:
         return f"compute capability {cap[0]}.{cap[1]} < 8.0"
     if q.dtype not in HALF:
@@ -292,6 +301,7 @@ class Target:
 
     device: str = "cpu"
     kernels: frozenset[str] = frozenset()
+    capability: tuple[int, int] | None = None  # the card's compute capability (None: the device's own)
 
     def describe(self, ran: Iterable[tuple[str, str]] | None = None) -> str:
         """How a report names the kernels assumed. With ``ran`` (the (op, implementation) pairs a traced
