@@ -911,7 +911,7 @@ NAMES = [f"p{k:03d}_{i:03d}.wav" for k in range(2) for i in range(4)]
     [
         (["--noise", "NOISE"], "--noise is mixed into --clean speech; give --clean DIR too"),
         (["--builtin_noise", "0.5"], "--builtin_noise is the share of built-in noise beside --noise files"),
-        (["--data", "DATA", "--no-remix", "--snr", "0", "10"], "--no-remix trains on --data's fixed pairs"),
+        (["--data", "DATA", "--no-remix", "--snr", "0", "10"], "--no_remix trains on --data's fixed pairs"),
         (["--augment", "reverb=0.5"], "--augment applies to --clean mixes"),
         (["--data_share", "0.5", "--data", "DATA"], "--data_share splits the mixes"),
     ],

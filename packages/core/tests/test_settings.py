@@ -158,3 +158,25 @@ def test_resume_reads_the_runs_own_settings_and_flags_still_win(tmp_path):
     s = resumed.settings
     assert resumed.preset == "big" and s.train.lr == 0.02 and s.loop.max_minutes == 9 and s.loop.steps == 600
     assert resumed.device == torch.device("cpu")
+
+
+def test_a_switch_is_spelled_with_underscores_and_the_older_hyphen_still_works():
+    """--x / --no_x, as every other memfit flag; --no-x (argparse's spelling, which earlier versions
+    printed) still parses, is named in --help, and stays out of the usage line. A flag whose name starts
+    with "no" is not taken for a negation."""
+    import argparse
+
+    from memfit.train.flags import BooleanFlag
+
+    p = argparse.ArgumentParser(prog="t")
+    p.add_argument("--remix", action=BooleanFlag, default=True, help="mix")
+    p.add_argument("--noisy_phase", action=BooleanFlag, default=False, help="phase")
+    assert p.parse_args([]).remix is True
+    assert p.parse_args(["--no_remix"]).remix is False
+    assert p.parse_args(["--no-remix"]).remix is False
+    assert p.parse_args(["--no_remix", "--remix"]).remix is True
+    assert p.parse_args(["--noisy_phase"]).noisy_phase is True
+    assert p.parse_args(["--no_noisy_phase"]).noisy_phase is False
+    usage, text = p.format_usage(), p.format_help()
+    assert "[--remix | --no_remix]" in usage and "--no-remix" not in usage
+    assert "also --no-remix, the older spelling" in " ".join(text.split())

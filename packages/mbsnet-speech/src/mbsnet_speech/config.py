@@ -189,7 +189,7 @@ def cpu_config(**overrides: Any) -> MBSNetConfig:
         # Perceptual contrast stretching at inference (and so in validation): on the 20-minute run's own 8
         # validation files PESQ-wb +0.151, STOI -0.002, SI-SDR -1.5 dB; on a generated run's 8 validation
         # pairs +0.120, -0.001, -1.2 dB (the rule, fixed before the test split was scored: on if PESQ-wb
-        # gains >= 0.05 and STOI loses <= 0.003). `eval/enhance --no-pcs` turns it off.
+        # gains >= 0.05 and STOI loses <= 0.003). `eval/enhance --no_pcs` turns it off.
         pcs=True,
     )
     return replace(base, **overrides)

@@ -25,7 +25,7 @@ import torch
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.export import model_line
-from memfit.train.flags import Parser, add_threads_arg, apply_threads, check_numbers
+from memfit.train.flags import BooleanFlag, Parser, add_threads_arg, apply_threads, check_numbers
 from memfit.train.outputs import check_outputs, output_files
 
 from mbsnet_speech.data import AUDIO_EXTS, MIN_SAMPLES, SAMPLE_RATE, conversion_notes, read_blocks
@@ -56,10 +56,10 @@ def inference_overrides(pcs: bool | None, keep_noisy: float | None, shifts: int 
 
 
 def add_pcs_arg(p: argparse.ArgumentParser) -> None:
-    """--pcs / --no-pcs, --keep_noisy and --shifts for eval and enhance: None keeps the run's config."""
+    """--pcs / --no_pcs, --keep_noisy and --shifts for eval and enhance: None keeps the run's config."""
     p.add_argument(
         "--pcs",
-        action=argparse.BooleanOptionalAction,
+        action=BooleanFlag,
         default=None,
         help="perceptual contrast stretching of the output (default: the run's config; CPU recipe: on)",
     )

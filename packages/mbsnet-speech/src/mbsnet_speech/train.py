@@ -104,7 +104,7 @@ def build_parser() -> TrainParser:
         "--remix",
         path="train.remix",
         help="with --data: every step mix one pair's clean speech with another pair's noise (noisy - "
-        "clean) at a random SNR (--snr) and gain; --no-remix trains on the fixed pairs",
+        "clean) at a random SNR (--snr) and gain; --no_remix trains on the fixed pairs",
     )
     p.flag(d, "--clean", path="train.clean", help="folder of clean speech to mix noise into on the fly")
     p.flag(d, "--noise", path="train.noise", help="folder of noise files for --clean (none: built-in noises)")

@@ -123,6 +123,27 @@ def eval_out_dir(
     )
 
 
+class BooleanFlag(argparse.Action):
+    """``--x`` / ``--no_x``: a switch in memfit's one flag spelling (underscores, as every other flag).
+    ``--no-x``, argparse's spelling that earlier versions printed, is still accepted for scripts that have
+    it, and --help says so; it is left out of the usage line."""
+
+    def __init__(self, option_strings, dest, default=None, required=False, help=None, **kwargs):
+        names = [s.removeprefix("--") for s in option_strings if s.startswith("--")]
+        self.negative = {f"--no_{n}" for n in names} | {f"--no-{n}" for n in names}
+        old = ", ".join(f"--no-{n}" for n in names)
+        if help is not None and help is not argparse.SUPPRESS:
+            help = f"{help} (also {old}, the older spelling)"
+        strings = [*option_strings, *(f"--no_{n}" for n in names), *(f"--no-{n}" for n in names)]
+        super().__init__(strings, dest, nargs=0, default=default, required=required, help=help, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, option_string not in self.negative)
+
+    def format_usage(self) -> str:
+        return " | ".join(s for s in self.option_strings if not s.startswith("--no-"))
+
+
 def hidden_alias(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *names: str, **kw: Any) -> None:
     """An old spelling of a flag, still accepted but not shown in --help."""
     parser.add_argument(*names, help=argparse.SUPPRESS, **kw)

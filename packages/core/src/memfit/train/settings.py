@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from memfit.errors import UsageError, os_error_message
 from memfit.train.config import DECAY, STEPS, check_config
-from memfit.train.flags import Parser
+from memfit.train.flags import BooleanFlag, Parser
 
 CONFIG_NAME = "config.json"  # the settings a run was started with, in its run folder
 SETTINGS_FORMAT = 1
@@ -354,13 +354,14 @@ def _fmt(value: Any) -> str:
 
 
 def _from_annotation(hint: Any, flag: str) -> dict[str, Any]:
-    """argparse keywords for a field's annotation: bool -> --x/--no-x, int/float -> type, str (or X | None
-    of these) -> as given, Literal -> choices. Other types need the flag's own `type`."""
+    """argparse keywords for a field's annotation: bool -> --x/--no_x (flags.BooleanFlag), int/float ->
+    type, str (or X | None of these) -> as given, Literal -> choices. Other types need the flag's own
+    `type`."""
     options = [h for h in typing.get_args(hint) if h is not type(None)]
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(options) == 1:
         hint = options[0]
     if hint is bool:
-        return {"action": argparse.BooleanOptionalAction}
+        return {"action": BooleanFlag}
     if hint in (int, float):
         return {"type": hint}
     if hint is str:
@@ -527,8 +528,6 @@ class TrainParser:
             help="TensorBoard events beside metrics.jsonl (needs the `tensorboard` extra)",
         )
         f(g, "--progress", path="loop.progress", help="progress bar")
-        g.add_argument("--no_progress", dest="progress", action="store_false", default=argparse.SUPPRESS,
-                       help=argparse.SUPPRESS)  # fmt: skip
         f(
             g,
             "--no_preflight",
