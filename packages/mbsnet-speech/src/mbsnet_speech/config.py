@@ -135,67 +135,45 @@ def band_widths(n_bins: int, num_bands: int, growth: float = 4.0) -> list[int]:
     return widths
 
 
+# The model presets; the settings presets `train --config NAME` starts from (SETTINGS, below) take these
+# and the recipe. Why each CPU setting is what it is, with the runs that chose it: docs/results.md ("The
+# CPU recipe's settings, and the runs behind them").
+PRESETS: dict[str, MBSNetConfig] = {
+    # the model that fits: shared encoder, unidirectional Mamba, expand 1.5, single-linear heads (~2.6M)
+    "default": MBSNetConfig(),
+    # the seed's MBS-Net (~7.3M params): dual branches, expand 2, bidirectional everywhere, per-band MLP
+    # heads (296 wide: the seed's reported 7.33M), and its materialising real_mamba scan without recompute
+    "seed": MBSNetConfig(num_layers=5, expand=2.0, temporal_bidirectional=True, crossband_bidirectional=True,
+                         head_hidden=296, dual_branch=True, scan="materialise", checkpoint=False),
+    # a few-thousand-parameter model for CPU tests and quick learning runs
+    "tiny": MBSNetConfig(num_bands=12, channels=24, num_layers=2, d_state=8, expand=1.0, checkpoint=False),
+    # the CPU recipe's model: 64 channels, 3 layers, bidirectional temporal Mamba (offline enhancement),
+    # band log energy, bands growing 16x (BSRNN-like ~94 Hz bands below 1 kHz), contrast stretching at
+    # inference; ~0.22M parameters, trained on one thread in 20 minutes
+    "cpu": MBSNetConfig(num_bands=12, channels=64, num_layers=3, d_state=8, expand=1.0,
+                        temporal_bidirectional=True, checkpoint=False, band_energy=True, band_growth=16.0,
+                        pcs=True),
+}  # fmt: skip
+
+
 def default_config(**overrides: Any) -> MBSNetConfig:
-    """The model that fits: shared encoder, unidirectional Mamba, expand 1.5, single-linear heads."""
-    return replace(MBSNetConfig(), **overrides)
+    """The model that fits (``PRESETS["default"]``) with field overrides."""
+    return get_config("default", **overrides)
 
 
 def seed_config(**overrides: Any) -> MBSNetConfig:
-    """The seed's MBS-Net (~7.3M params): dual branches, expand 2, bidirectional everywhere,
-    per-band MLP heads, and its materialising real_mamba scan without recomputation."""
-    base = MBSNetConfig(
-        num_layers=5,
-        expand=2.0,
-        temporal_bidirectional=True,
-        crossband_bidirectional=True,
-        head_hidden=296,  # the per-band MLP width that lands on the seed's reported 7.33M
-        dual_branch=True,
-        scan="materialise",
-        checkpoint=False,
-    )
-    return replace(base, **overrides)
+    """The seed's MBS-Net (``PRESETS["seed"]``) with field overrides."""
+    return get_config("seed", **overrides)
 
 
 def tiny_config(**overrides: Any) -> MBSNetConfig:
-    """A few-thousand-parameter model for CPU tests and quick learning runs."""
-    base = MBSNetConfig(num_bands=12, channels=24, num_layers=2, d_state=8, expand=1.0, checkpoint=False)
-    return replace(base, **overrides)
+    """The test-size model (``PRESETS["tiny"]``) with field overrides."""
+    return get_config("tiny", **overrides)
 
 
 def cpu_config(**overrides: Any) -> MBSNetConfig:
-    """The CPU recipe's model (see CPU_RECIPE): 64 channels, 3 layers, bidirectional temporal Mamba (offline
-    enhancement), band log energy, bands growing 16x (fine below 1 kHz); ~0.22M parameters, trained on one
-    thread in 20 minutes."""
-    # Chosen by CPU-time-budget runs on 24 held-out train files (remixed pairs, 1 thread;
-    # tools/mbsnet_short_runs.py; docs/results.md), PESQ-wb / STOI change over noisy:
-    #   6 CPU-min: 48 ch 2 layers causal +0.339 / -0.014; 64 ch 3 layers bidirectional
-    #     +0.277 / +0.004 (the larger one matched the others with half their steps and kept STOI)
-    #   10 CPU-min: bands growing 4x +0.352 / +0.006, 16x +0.312 / +0.011 (with the STFT term);
-    #     30 bands (BSRNN's split) at 48 ch +0.228 / +0.003 (half the steps)
-    #   18 CPU-min: 64 ch +0.525 / +0.024 (2,690 steps), 96 ch +0.449 / +0.015 (1,784 steps)
-    # `--hop 200` (12.5 ms, half the frames) is the generalising recipe's choice, not the preset's: a step
-    # takes ~0.55x the time, and with --clean/--noise it kept STOI on held-out voices (docs/results.md), but
-    # on generated pairs 300 steps gave PESQ-wb 1.466, STOI -0.016 against hop 100's 1.658, +0.001.
-    base = MBSNetConfig(
-        num_bands=12,
-        channels=64,
-        num_layers=3,
-        d_state=8,
-        expand=1.0,
-        temporal_bidirectional=True,
-        checkpoint=False,
-        band_energy=True,
-        band_growth=16.0,  # BSRNN-like ~94 Hz bands below 1 kHz, where the oracle mask gains most (README)
-        # Perceptual contrast stretching at inference (and so in validation): on the 20-minute run's own 8
-        # validation files PESQ-wb +0.151, STOI -0.002, SI-SDR -1.5 dB; on a generated run's 8 validation
-        # pairs +0.120, -0.001, -1.2 dB (the rule, fixed before the test split was scored: on if PESQ-wb
-        # gains >= 0.05 and STOI loses <= 0.003). `eval/enhance --no_pcs` turns it off.
-        pcs=True,
-    )
-    return replace(base, **overrides)
-
-
-PRESETS = {"default": default_config, "seed": seed_config, "tiny": tiny_config, "cpu": cpu_config}
+    """The CPU recipe's model (``PRESETS["cpu"]``) with field overrides."""
+    return get_config("cpu", **overrides)
 
 
 @dataclass(frozen=True)
@@ -293,41 +271,20 @@ def _paper(name: str):
 
 
 def _cpu(device) -> Settings:
-    """The CPU recipe (`--config cpu`, and `auto` without a GPU); chosen by short measured runs (docs)."""
+    """The CPU recipe (`--config cpu`, and `auto` without a GPU): each choice (no phase term, -SI-SDR at
+    0.02, the STFT term at 0.1, a PESQ term at 0.1; best.pt chosen on 24 mixes every 600 steps; the
+    augmentations; one thread, no weight average) was made by short measured runs on held-out files,
+    recorded in docs/results.md ("The CPU recipe's settings"). Its own run folder: the quick start never
+    sits where the shipped model's users look."""
     train = TrainConfig(
         batch_size=4,
         seconds=1.0,
         lr=3e-3,
-        # no phase term (short runs on fixed pairs: PESQ-wb +0.265 without, +0.217 with); -SI-SDR at 0.02
-        # (6-CPU-minute remixed runs on 24 held-out train files: PESQ-wb +0.339 and SI-SDR 13.31 dB with
-        # it, +0.298 and 12.02 dB without); multi-resolution STFT at 0.1 (10-CPU-minute runs, same files:
-        # +0.352 with it, +0.299 without, +0.302 at 0.3: its log-magnitude part weighs the quiet
-        # time-frequency cells that PESQ punishes and the compressed-magnitude MSE barely sees)
-        # a differentiable PESQ term at 0.1 (20-CPU-minute generalising runs, 48 validation mixes of held-out
-        # voices x held-out noises, last checkpoints, seeds 0 and 1 averaged: PESQ-wb 1.539 / STOI 0.854
-        # without, 1.788 / 0.858 at 0.1, 1.933 / 0.851 at 0.3; 1.0 (seed 0) 2.246 / 0.848 with SI-SDR down
-        # to 3 dB; the generated quick start 1.658 -> 1.914 (1.886 with the faster FIR filters), STOI 0.858 ->
-        # 0.870 (0.864); docs/results.md). The generalising recipe (`general` below) weighs the metric
-        # terms more (first pesq=0.6,stoi=6: validation 2.102 / 0.865; now STOI 10 and -SI-SDR 0.01 instead
-        # of 6 and 0.02); pesq=0.6,stoi=6 as this preset's loss cost the generated quick start 4.4 dB of
-        # SI-SDR (8.84 -> 4.45; PESQ-wb 2.172, STOI 0.859)
         loss=LossWeights(pha=0.0, sisdr=0.02, stft=0.1, pesq=0.1),
-        # best.pt is chosen on 24 mixes every 600 steps: about the validation time of 12 every 300, with
-        # twice the files behind each choice (on 48 validation mixes, four runs' 12-file choices scored
-        # -0.038..+0.061 PESQ-wb against their last checkpoints)
         eval_every=600,
         val_files=24,
-        # of --clean mixes: the augmentations that were not below both plain runs in six-minute runs on
-        # held-out voices (docs/results.md; EQ and room response were, at every validation point)
         augment=Augment(speed=0.5, gain=0.2, clip=0.1, bandlimit=0.2),
     )
-    # one thread: this model's ops are small, and on a 2-core machine with anything else running, two
-    # threads made a step about 8x slower (each parallel region waits for the descheduled thread). No
-    # weight average (--ema 0.995 beside the raw weights in the same runs: -0.006 to +0.043 PESQ-wb in four
-    # 10-CPU-minute runs, -0.012 and -0.018 in two 18-CPU-minute ones: no reliable gain). The generalising
-    # recipe (`general` below) averages at 0.999 (STOI +0.0035 on held-out voices over three seed pairs).
-    # its own run folder: the quick start (`memfit train mbsnet-speech` on a CPU) never sits where the
-    # shipped model's users look, and `eval` / `enhance` without --run use the shipped model anyway
     loop = LoopConfig(steps=300, amp="none", threads=1, log_every=10, save_every=200, run_name="quickstart")
     return Settings(cpu_config(), train, loop)
 
@@ -345,10 +302,6 @@ def _general(device) -> Settings:
     return Settings(model, train, replace(cpu.loop, ema=0.999, run_name="general"))
 
 
-SETTINGS = {
-    "default": _paper("default"),
-    "cpu": _cpu,
-    "general": _general,
-    "seed": _paper("seed"),
-    "tiny": _paper("tiny"),
-}
+# the paper-recipe presets for each model preset but the CPU one, which has its recipe; and the
+# generalising recipe
+SETTINGS = {**{name: _paper(name) for name in PRESETS if name != "cpu"}, "cpu": _cpu, "general": _general}
