@@ -139,10 +139,10 @@ def main(argv: list[str] | None = None) -> dict:
     from ginr_cifar.model import GINR
     from ginr_cifar.system import ginr_step
 
-    args, device = run.args, run.device
+    extras, device = run.extras, run.device
     cfg, t, loop = run.settings.model, run.settings.train, run.settings.loop
-    if args.profile_iters < 1:
-        raise UsageError(f"error: --profile_iters must be >= 1, got {args.profile_iters}")
+    if extras["profile_iters"] < 1:
+        raise UsageError(f"error: --profile_iters must be >= 1, got {extras['profile_iters']}")
     if t.num_sample_coords > cfg.num_pixels:
         raise UsageError(f"error: --num_sample_coords must be <= {cfg.num_pixels}, got {t.num_sample_coords}")
     try:
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         split = {
             "holdout": t.holdout,
             "val": t.eval_images,
-            "cache_dir": None if args.no_cache else args.cache_dir,
+            "cache_dir": None if extras["no_cache"] else extras["cache_dir"],
         }
         train_set = load_split(t.data, "train", max_images=t.max_images, **split)
         val_set = load_split(t.data, "val", **split)
@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
         g = step_generator(loop.seed, step, micro, rank=rank)
         return sample_batch(images, t.batch_size, t.num_sample_coords, g, device, jitter=t.jitter)
 
-    if args.profile:
+    if extras["profile"]:
         batch = get_batch(0, 0)
-        res = profile_model(model.to(device), batch, device, loop.amp, args.profile_iters)
+        res = profile_model(model.to(device), batch, device, loop.amp, extras["profile_iters"])
         print(
             f"profile ({device.type}, batch {t.batch_size}, {t.num_sample_coords} coords, "
             f"amp {loop.amp}): "

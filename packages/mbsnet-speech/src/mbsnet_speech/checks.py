@@ -9,7 +9,6 @@ Each refusal is one line naming the files and the fix.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,34 +36,35 @@ def note_files(what: str, names: Sequence[str]) -> None:
         print(f"mbsnet-train: {what}: {_named(names)}", file=sys.stderr)
 
 
-# flag (argparse dest), when it means nothing here, why
+# the setting a flag sets, when it means nothing here, why
 _TOGETHER: list[tuple[str, Callable[[TrainConfig], bool], str]] = [
-    ("noise", lambda t: t.clean is None,
+    ("train.noise", lambda t: t.clean is None,
      "--noise is mixed into --clean speech; give --clean DIR too (--data pairs bring their own noise)"),
-    ("builtin_noise", lambda t: t.noise is None,
+    ("train.builtin_noise", lambda t: t.noise is None,
      "--builtin_noise is the share of built-in noise beside --noise files; give --noise DIR too"),
-    ("data_share", lambda t: not (t.data and t.clean),
+    ("train.data_share", lambda t: not (t.data and t.clean),
      "--data_share splits the mixes between --data pairs and --clean mixes; give both"),
-    ("augment", lambda t: t.clean is None, "--augment applies to --clean mixes; give --clean DIR too"),
-    ("remix", lambda t: t.data is None or t.clean is not None,
+    ("train.augment", lambda t: t.clean is None, "--augment applies to --clean mixes; give --clean DIR too"),
+    ("train.remix", lambda t: t.data is None or t.clean is not None,
      "--remix / --no_remix choose how --data pairs are used alone; give --data DIR without --clean"),
-    ("snr", lambda t: bool(t.data) and not t.remix and t.clean is None,
+    ("train.snr", lambda t: bool(t.data) and not t.remix and t.clean is None,
      "--snr sets the SNR of mixes, but --no_remix trains on --data's fixed pairs; drop one of them"),
-    ("val_voices", lambda t: t.clean is None, "--val_voices names voices of --clean; give --clean DIR too"),
-    ("test_voices", lambda t: t.clean is None, "--test_voices names voices of --clean; give --clean DIR too"),
-    ("val_noises", lambda t: t.noise is None,
+    ("train.val_voices", lambda t: t.clean is None,
+     "--val_voices names voices of --clean; give --clean DIR too"),
+    ("train.test_voices", lambda t: t.clean is None,
+     "--test_voices names voices of --clean; give --clean DIR too"),
+    ("train.val_noises", lambda t: t.noise is None,
      "--val_noises names recordings of --noise; give --noise DIR too"),
-    ("test_noises", lambda t: t.noise is None,
+    ("train.test_noises", lambda t: t.noise is None,
      "--test_noises names recordings of --noise; give --noise DIR too"),
 ]  # fmt: skip
 
 
-def check_flags_together(t: TrainConfig, args: argparse.Namespace | None) -> None:
-    """A flag given on the command line that means nothing with the others: one line, never ignored."""
-    if args is None:
-        return
-    for dest, idle, why in _TOGETHER:
-        if hasattr(args, dest) and idle(t):
+def check_flags_together(t: TrainConfig, flags: frozenset[str]) -> None:
+    """A flag given on the command line (``flags``: the settings it set, ``TrainRun.flags``) that means
+    nothing with the others: one line, never ignored."""
+    for path, idle, why in _TOGETHER:
+        if any(f == path or f.startswith(path + ".") for f in flags) and idle(t):
             raise UsageError(f"error: {why}")
 
 

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> dict:
     from mbsnet_speech.model import MBSNet, count_params
 
     cfg, t, loop = run.settings.model, run.settings.train, run.settings.loop
-    check_flags_together(t, run.args)
+    check_flags_together(t, run.flags)
     crop = int(t.seconds * SAMPLE_RATE)
     try:
         arrays, val_items, source = build_data(t, crop)

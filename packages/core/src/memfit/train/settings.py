@@ -22,7 +22,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -326,9 +326,11 @@ class TrainRun:
     resume: bool
     overwrite: bool
     given: frozenset[str]  # the paths set by a file or a flag (not by the preset)
-    args: argparse.Namespace | None  # the parsed command line, for a system's flags that are not settings
     system: str | None = None  # the registered system name, saved in checkpoints and checked on resume
     loop_config: LoopConfig | None = None  # only with settings None
+    flags: frozenset[str] = frozenset()  # the paths set by a flag on this command line (not by a file)
+    # a system's own flags that are not settings (ginr's --profile, --cache_dir): {dest: value}
+    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def loop(self) -> LoopConfig:
@@ -340,9 +342,7 @@ class TrainRun:
         tree (no config.json)."""
         from memfit.train.distributed import resolve_device
 
-        return cls(
-            None, None, resolve_device(loop.device), resume, overwrite, frozenset(), None, system, loop
-        )
+        return cls(None, None, resolve_device(loop.device), resume, overwrite, frozenset(), system, loop)
 
 
 def _fmt(value: Any) -> str:
@@ -671,6 +671,7 @@ class TrainParser:
             from memfit.train.cpu import set_threads
 
             set_threads(tree.loop.threads)
+        settings_dests = {*self.paths, "config", "resume", "overwrite"}
         return TrainRun(
             tree,
             preset,
@@ -678,6 +679,7 @@ class TrainParser:
             args.resume,
             args.overwrite,
             frozenset(given | set(flags)),
-            args,
             self.system,
+            flags=frozenset(flags),
+            extras={k: v for k, v in vars(args).items() if k not in settings_dests},
         )
