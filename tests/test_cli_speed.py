@@ -55,12 +55,12 @@ def test_first_commands_answer_without_torch(argv):
 
 def test_the_help_still_names_every_command_and_the_heavy_ones_still_parse():
     """The estimator's commands are listed without being loaded, and their own --help still has their
-    flags (which load the estimator: that is fine, the user asked for it)."""
+    flags (declared apart from the estimator: no torch either)."""
     top = run_cli("--help")["out"]
     for command in ("budget", "fit", "estimate", "run", "systems", "train", "eval", "export", "doctor"):
         assert f"    {command}" in top
     estimate = run_cli("estimate", "--help")
-    assert estimate["code"] == 0 and "--gpu_gib" in estimate["out"] and estimate["torch"]
+    assert estimate["code"] == 0 and "--gpu_gib" in estimate["out"] and not estimate["torch"]
     systems = run_cli("systems")["out"]
     assert "mbsnet-speech  (extra commands: enhance)" in systems and "gpt2-window" in systems
 
@@ -110,3 +110,19 @@ def test_enhancing_a_file_runs_the_kernels_without_the_compiler(tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == []
     assert (tmp_path / "out" / "one.wav").stat().st_size > 16000
+
+
+@pytest.mark.parametrize("command", ["estimate", "budget", "fit"])
+def test_the_estimators_commands_answer_help_without_torch(command):
+    """Their flags live in memfit.estimate.flags, which imports no torch (nor does the package's face)."""
+    r = run_cli(command, "--help")
+    assert r["code"] == 0 and "--gpu" in r["out"]
+    assert not r["torch"], f"memfit {command} --help imported torch"
+    assert r["cpu_s"] <= CPU_LIMIT_S, f"memfit {command} --help used {r['cpu_s']:.2f} s of CPU"
+
+
+def test_the_margin_said_in_help_is_the_margin_used():
+    from memfit.estimate.fit import MARGIN
+    from memfit.estimate.flags import MARGIN_TEXT
+
+    assert float(MARGIN_TEXT) == MARGIN
