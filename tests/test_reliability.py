@@ -1174,9 +1174,10 @@ def test_some_silent_clean_files_are_named_and_the_run_trains_on_the_rest(tmp_pa
     "extra, says",
     [
         (
-            ["--gpu_gib", "1e30", "--max_batch", str(2**63 - 1)],
+            ["--gpu_gib", "1e6", "--max_batch", str(2**63 - 1)],
             "--max_batch at most 2147483647",
         ),  # overflowed
+        (["--gpu_gib", "1e30"], "--gpu_gib must be a positive number of GiB up to 1048576"),
         (["--ranks", str(2**63 - 1)], "--ranks is at most 1048576"),
     ],
 )

@@ -117,7 +117,7 @@ def test_a_time_budget_without_steps_trains_until_the_budget():
         (["--lr", "0"], "--lr must be > 0, got 0"),
         (["--lr", "nan"], "--lr must be > 0, got nan"),
         (["--loss", "a=-1"], "--loss a must be >= 0"),
-        (["--steps", "-1"], "--steps must be >= 0"),
+        (["--steps", "-1"], "--steps must be >= 1"),
         (["--run_name", "../x"], "--run_name must be one folder name"),
         (["--run_name", ""], "--run_name must be one folder name"),
         (["--config", "nope"], "neither a preset (small, big) nor a file"),

@@ -14,7 +14,7 @@ from torch import nn
 from memfit.errors import UsageError
 from memfit.estimate import explain, finetune, rules
 from memfit.estimate.byname import load_target
-from memfit.estimate.fit import MARGIN
+from memfit.estimate.fit import MARGIN, MAX_GPU_GIB
 from memfit.estimate.result import EstimateResult
 from memfit.estimate.target import DeviceTarget
 from memfit.estimate.trace import (
@@ -48,8 +48,10 @@ def estimate(
     shard "fsdp" (default: the repeated blocks, else the whole model as one unit)."""
     if fsdp_units is not None and (shard != "fsdp" or ranks < 2):
         raise UsageError("error: --fsdp_units names FSDP's units; give it with --shard fsdp --ranks N, N > 1")
-    if gpu_gib is not None and not (math.isfinite(gpu_gib) and gpu_gib > 0):
-        raise UsageError(f"error: --gpu_gib must be a positive number of GiB, got {gpu_gib:g}")
+    if gpu_gib is not None and not (math.isfinite(gpu_gib) and 0 < gpu_gib <= MAX_GPU_GIB):
+        raise UsageError(
+            f"error: --gpu_gib must be a positive number of GiB up to {MAX_GPU_GIB}, got {gpu_gib:g}"
+        )
     if not 0 <= margin < 1:
         raise UsageError(f"error: --margin is a fraction in [0, 1), e.g. 0.1; got {margin:g}")
     if ranks < 1 or top < 1 or max_batch < 1:

@@ -30,6 +30,10 @@ from memfit.estimate.tracker import GIB, MemoryReport
 #: The one margin: a step may plan on (1 - MARGIN) of what its device has.
 MARGIN = 0.10
 
+#: The most GPU memory a command takes (GiB): a mebigibyte, beyond any card or node; a larger --gpu_gib is
+#: a typo (1e30), refused in one line rather than searched for a batch.
+MAX_GPU_GIB = 2**20
+
 #: Process memory per byte of tensors on the CPU: a step's peak RSS grew by 1.1-1.5x its tensors with
 #: malloc's defaults and 1.3-1.9x with the Trainer's keep_freed_memory (heap fragmentation), measured on
 #: the four systems by `uv run python tools/preflight_overhead.py`.

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from memfit.errors import UsageError
 from memfit.estimate import EstimateResult, estimate, explain
-from memfit.estimate.fit import CPU_OVERHEAD, MARGIN, usable_bytes
+from memfit.estimate.fit import CPU_OVERHEAD, MARGIN, MAX_GPU_GIB, usable_bytes
 from memfit.estimate.target import DeviceTarget
 from memfit.estimate.trace import Target, fmt_bytes
 from memfit.estimate.tracker import GIB, WORKSPACES
@@ -392,9 +392,11 @@ def capacity(device: str, gpu_gib: float | None) -> tuple[int, str]:
             isinstance(gpu_gib, bool)
             or not isinstance(gpu_gib, (int, float))
             or not math.isfinite(gpu_gib)
-            or gpu_gib <= 0
+            or not 0 < gpu_gib <= MAX_GPU_GIB
         ):
-            raise UsageError(f"error: gpu_gib must be a positive number of GiB, got {gpu_gib!r}")
+            raise UsageError(
+                f"error: gpu_gib must be a positive number of GiB up to {MAX_GPU_GIB}, got {gpu_gib!r}"
+            )
         what = f"a {gpu_gib:g} GiB GPU" if device == "cuda" else f"{gpu_gib:g} GiB of memory"
         return int(gpu_gib * GIB), what
     from memfit.estimate.preflight import available_bytes

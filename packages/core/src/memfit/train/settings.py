@@ -71,7 +71,7 @@ class LoopConfig:
     # every number with both ends (memfit.train.config.check_config): refused at parse time in one line
     RANGES: ClassVar[dict[str, str]] = {
         "seed": "0..2**63-1",  # torch.manual_seed's range
-        "steps": STEPS,
+        "steps": "[1, 2**53]",  # 0 would train nothing and save the untrained weights as a run
         "log_every": "[1, 2**53]",
         "save_every": STEPS,
         "grad_accum": "[1, 2**20]",
@@ -584,7 +584,8 @@ class TrainParser:
         while head not in self.flag_names and "." in head:
             head, _, last = head.rpartition(".")
             rest = f"{last} {rest}".strip()
-        return f"{self.flag_names.get(head, head)} {rest}".strip()
+        name = getattr(self, "given_names", {}).get(head) or self.flag_names.get(head, head)
+        return f"{name} {rest}".strip()
 
     def _apply(self, tree: Settings, changes: dict[str, Any], source: str) -> Settings:
         try:
@@ -608,6 +609,7 @@ class TrainParser:
         for path, names in set_by.items():
             if len(names) > 1:  # two spellings of one setting (--steps and the seed's --num_iterations)
                 raise UsageError(f"error: {' and '.join(names)} both set {path}; give one of them")
+        self.given_names = {path: names[0] for path, names in set_by.items()}  # errors name what was typed
         flags: dict[str, Any] = {}
         for dest, path in self.paths.items():
             if hasattr(args, dest):
