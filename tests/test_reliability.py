@@ -1277,3 +1277,23 @@ def test_every_numeric_field_of_every_settings_tree_declares_both_ends():
                 if rule is None or not all(map(math.isfinite, rule_ends(rule))):
                     missing.add(f"{system}: {type(node).__name__}.{f.name} ({rule})")
     assert not missing, sorted(missing)
+
+
+@pytest.mark.parametrize("system", sorted(ALIASES))
+def test_eval_of_a_folder_with_no_run_says_error_once(system, tmp_path, capsys):
+    """A missing run is already one `error:` line (memfit.errors.ModelFileMissing): eval passes it on as
+    it is, where three systems' evals wrapped it in a second `error:`."""
+    (tmp_path / "empty").mkdir()
+    assert evaluate(system, tmp_path / "empty") == 2
+    line = one_error_line(capsys)
+    assert line.count("error:") == 1 and "no checkpoint in" in line, line
+
+
+def test_a_ginr_holdout_larger_than_the_folder_names_both_numbers(tmp_path, capsys):
+    from PIL import Image
+
+    (tmp_path / "imgs").mkdir()
+    Image.new("RGB", (32, 32), (40, 80, 120)).save(tmp_path / "imgs" / "a.png")
+    assert train("ginr-cifar", tmp_path / "runs", "--data", str(tmp_path / "imgs")) == 2
+    line = one_error_line(capsys)
+    assert "--holdout " in line and "the set has 1" in line and "below 1" in line, line

@@ -254,7 +254,10 @@ def holdout_split(n: int, holdout: int, val: int = 0) -> tuple[torch.Tensor, ...
     ``val`` > 0, (train, val, holdout): ``val`` validation images carved from the training part, so that
     choices made on validation (best.pt) never touch the holdout. The holdout is the same either way."""
     if not 0 <= holdout < n:
-        raise ValueError(f"holdout {holdout} must be in [0, {n}) for a set of {n} images")
+        raise ValueError(
+            f"--holdout {holdout} keeps {holdout} images out of training, but the set has {n}; "
+            f"give --holdout below {n} (0: none held out)"
+        )
     if not 0 <= val < n - holdout:
         raise ValueError(
             f"{val} validation images leave no training images ({n} images, {holdout} held out); "

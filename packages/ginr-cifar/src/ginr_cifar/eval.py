@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> dict:
             images = images[: args.num_images]
         if len(images) == 0:
             raise ValueError(f"split {split!r} is empty (holdout={holdout}, val={val}); nothing to evaluate")
+    except UsageError:  # already one line (a run or model file that is missing or damaged)
+        raise
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"error: {e}") from None
 

@@ -96,6 +96,8 @@ def run(argv: list[str] | None = None) -> dict | list[str]:
         if data.vocab_size > model.config.vocab_size:
             raise ValueError(f"the data's vocabulary ({data.vocab_size}) exceeds the model's")
         data.check_length(T)
+    except UsageError:  # already one line (a run or model file that is missing or damaged)
+        raise
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"error: {e}") from None
     with autocast_context(args.amp, device):

@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
         model, state = SYSTEM.load_model(run, device, which=args.checkpoint)
         print(model_line(SYSTEM, state))
         source = make_source(args.data, model.cfg.image_size, seed=args.seed, split=args.split)
+    except UsageError:  # already one line (a run or model file that is missing or damaged)
+        raise
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"error: {e}") from None
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
