@@ -30,9 +30,10 @@ def constant_result(fn):
     return fn
 
 
-def outside_compile(fn):
+def outside_compile(fn, wrapping: bool = True):
     """``torch.compiler.disable(fn)``, made on the first call that can be inside a compile: while
-    torch._dynamo was never imported nothing is being compiled, and ``fn`` runs as it is."""
+    torch._dynamo was never imported nothing is being compiled, and ``fn`` runs as it is. ``wrapping``:
+    torch._dynamo.disable's own flag (False where torch wraps the result itself: ``defer_compiler``)."""
     disabled = None
 
     @functools.wraps(fn)
@@ -41,7 +42,9 @@ def outside_compile(fn):
         if "torch._dynamo" not in sys.modules:
             return fn(*args, **kwargs)
         if disabled is None:
-            disabled = torch.compiler.disable(fn)
+            import torch._dynamo
+
+            disabled = torch._dynamo.disable(fn, True, wrapping=wrapping)
         return disabled(*args, **kwargs)
 
     return call
@@ -58,23 +61,7 @@ def defer_compiler(*ops) -> None:
             fn = getattr(wrapper, "__wrapped__", None)
             if fn is None or getattr(fn, "__dynamo_disable", None) is not None:
                 continue
-            setattr(fn, "__dynamo_disable", _uncompiled_until_dynamo(fn))
-
-
-def _uncompiled_until_dynamo(fn):
-    made = None
-
-    def call(*args, **kwargs):
-        nonlocal made
-        if "torch._dynamo" not in sys.modules:
-            return fn(*args, **kwargs)
-        if made is None:
-            import torch._dynamo
-
-            made = torch._dynamo.disable(fn, True, wrapping=False)
-        return made(*args, **kwargs)
-
-    return call
+            setattr(fn, "__dynamo_disable", outside_compile(fn, wrapping=False))
 
 
 def channels_last(x: torch.Tensor) -> bool:

@@ -466,16 +466,12 @@ def choose(
     first = args[0]
     dev = device_type(first)
     target = current_target() if _is_fake(first) else None
-    recs = records(op)
-    for i, impl in enumerate(recs):
+    for impl in records(op):
         fn = _taking(impl, args, dev, target, kernels, device)
         if fn is None:
             continue
         if impl.timed and target is None and dev == "cuda":
-            rest = [(r, _taking(r, args, dev, None, kernels, device)) for r in recs[i + 1 :] if r.timed]
-            group = [(impl, fn)] + [(r, f) for r, f in rest if f is not None]
-            if len(group) > 1:
-                impl, fn = _fastest(op, group, args, time=count)
+            impl, fn = _fastest(op, args, dev, kernels, device, time=count)
         if count and _is_fake(first):  # an estimate's fake trace is not a run: counted apart
             with _lock:
                 _traced[(op, impl.name)] += 1
@@ -498,8 +494,13 @@ def _taking(impl: Impl, args: tuple, dev: str, target, kernels: bool, device) ->
         fn = resolve(impl.load)
         if fn is None or not _ready(impl.op, impl.name):
             return None
-    if target is None and impl.priority > 0 and (impl.op, impl.name, *_kind(first)) in _timing_failed:
-        return None  # the op's plain torch record always stays
+    if (
+        target is None
+        and impl.timed
+        and impl.priority > 0
+        and (impl.op, impl.name, *_kind(first)) in _timing_failed
+    ):
+        return None  # left out after failing its timing; the op's plain torch record always stays
     problem = _problem(impl, args)
     if problem is None and target is None and impl.probe is not None:
         res = probe(impl, device if device is not None else first.device)
@@ -541,11 +542,15 @@ def timing_key(op: str, args: tuple) -> tuple:
 def timed_candidates(op: str, *args) -> list[str]:
     """The timed records that would race for this real call (what ``choose`` times; [] when the first
     record that takes it is not timed): for benchmarks that time each one themselves."""
-    first = args[0]
-    dev = device_type(first)
-    takes = [(r, _taking(r, args, dev, None, True, None)) for r in records(op)]
-    takes = [r for r, fn in takes if fn is not None]
-    return [r.name for r in takes if r.timed] if takes and takes[0].timed else []
+    dev = device_type(args[0])
+    first = next((r for r in records(op) if _taking(r, args, dev, None, True, None) is not None), None)
+    return [r.name for r, _ in _timed_group(op, args, dev, True, None)] if first and first.timed else []
+
+
+def _timed_group(op: str, args: tuple, dev: str, kernels: bool, device) -> list[tuple[Impl, Callable]]:
+    """The timed records of ``op`` that take this real call, highest priority first, with their functions."""
+    takes = ((r, _taking(r, args, dev, None, kernels, device)) for r in records(op) if r.timed)
+    return [(r, fn) for r, fn in takes if fn is not None]
 
 
 def timed_choices(op: str | None = None) -> dict[tuple, str]:
@@ -553,17 +558,19 @@ def timed_choices(op: str | None = None) -> dict[tuple, str]:
     return {k: v for k, v in _timed_choice.items() if op is None or k[0] == op}
 
 
-def _fastest(
-    op: str, group: list[tuple[Impl, Callable]], args: tuple, time: bool = True
-) -> tuple[Impl, Callable]:
-    """The record of ``group`` measured fastest for this call's key (timed on its first call; under
-    torch.compile, or asked without ``time``, a key not timed yet takes the first of the group)."""
+def _fastest(op: str, args: tuple, dev: str, kernels: bool, device, time: bool = True) -> tuple:
+    """The timed record measured fastest for this call's key, and its function: a key timed before takes
+    its record at once (no candidate is asked again); a new one times the timed records that take it
+    (under torch.compile, or asked without ``time``, it takes the first of them)."""
     key = timing_key(op, args)
     name = _timed_choice.get(key)
-    if name is None:
-        if not time or torch.compiler.is_compiling():
-            return group[0]
-        name = _time_group_outside_compile(key, op, group, args)
+    if name is not None:
+        impl = record_of(op, name)
+        return impl, resolve(impl.load)
+    group = _timed_group(op, args, dev, kernels, device)
+    if len(group) == 1 or not time or torch.compiler.is_compiling():
+        return group[0]
+    name = _time_group_outside_compile(key, op, group, args)
     return next(((i, f) for i, f in group if i.name == name), group[0])
 
 
