@@ -229,7 +229,7 @@ def _budget(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from memfit.estimate.fit import fit_system, format_fit, nothing_fits
+    from memfit.estimate.fit import MAX_GPU_GIB, fit_system, format_fit, nothing_fits
     from memfit.estimate.target import DeviceTarget
     from memfit.ops import registry
 
@@ -238,7 +238,7 @@ def _fit(args: argparse.Namespace) -> int:
         raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
     if args.gpu_gib is None:
         raise UsageError("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
-    check_numbers(args, gpu_gib="(0, 2**20]", max_batch="[1, 2**31-1]")
+    check_numbers(args, gpu_gib=f"(0, {MAX_GPU_GIB}]", max_batch="[1, 2**31-1]")
     on = DeviceTarget.from_flags("cuda", args.gpu, False if args.no_cuda_kernels else None)
     before = registry.traced()
     with on.entered():
