@@ -53,6 +53,27 @@ def test_first_commands_answer_without_torch(argv):
     assert r["cpu_s"] <= CPU_LIMIT_S, f"memfit {' '.join(argv)} used {r['cpu_s']:.2f} s of CPU"
 
 
+def _system_commands() -> list[list[str]]:
+    """`eval S` and `run S COMMAND` for every system and extra command: the work behind them imports
+    torch, their flags do not (memfit.system.parse_then_run)."""
+    from memfit.system import load_system
+
+    out = [["eval", s] for s in sorted(ALIASES)]
+    for s in sorted(ALIASES):
+        out += [["run", s, c] for c in sorted(load_system(s).extra_commands)]
+    return out
+
+
+@pytest.mark.parametrize("command", _system_commands(), ids=lambda a: " ".join(a))
+def test_every_system_command_answers_help_and_a_wrong_flag_without_torch(command):
+    r = run_cli(*command, "--help")
+    assert r["code"] == 0 and "--" in r["out"]
+    assert not r["torch"], f"memfit {' '.join(command)} --help imported torch"
+    assert r["cpu_s"] <= CPU_LIMIT_S, f"memfit {' '.join(command)} --help used {r['cpu_s']:.2f} s of CPU"
+    wrong = run_cli(*command, "--no_such_flag")
+    assert wrong["code"] == 2 and not wrong["torch"], f"memfit {' '.join(command)} --no_such_flag"
+
+
 def test_the_help_still_names_every_command_and_the_heavy_ones_still_parse():
     """The estimator's commands are listed without being loaded, and their own --help still has their
     flags (declared apart from the estimator: no torch either)."""
