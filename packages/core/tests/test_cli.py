@@ -1,4 +1,4 @@
-"""The `train`/`eval` dispatcher and `memfit budget`."""
+"""The bare `train`/`eval` scripts (memfit.bare) and `memfit budget`."""
 
 import json
 import os
@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from memfit import cli
+from memfit import bare, cli
 from memfit.errors import UsageError
 from memfit.system import available_systems
 
@@ -25,21 +25,38 @@ def _uv(*args, env=None):
 
 def test_pick_system_rules(monkeypatch):
     monkeypatch.delenv("MEMFIT_SYSTEM", raising=False)
-    monkeypatch.setattr(cli, "available_systems", lambda: {"alpha": None, "beta": None})
-    monkeypatch.setattr(cli, "_uv_run_package", lambda: None)
-    assert cli.pick_system(["--system", "beta", "--steps", "3"]) == ("beta", ["--steps", "3"])
-    assert cli.pick_system(["--system=alpha"]) == ("alpha", [])
+    monkeypatch.setattr(bare, "available_systems", lambda: {"alpha": None, "beta": None})
+    monkeypatch.setattr(bare, "uv_run_package", lambda: None)
+    assert bare.pick_system(["--system", "beta", "--steps", "3"]) == ("beta", ["--steps", "3"])
+    assert bare.pick_system(["--system=alpha"]) == ("alpha", [])
     with pytest.raises(UsageError, match="Installed: alpha, beta"):
-        cli.pick_system(["--steps", "3"])
+        bare.pick_system(["--steps", "3"])
     with pytest.raises(UsageError, match="unknown system 'gamma'"):
-        cli.pick_system(["--system", "gamma"])
-    monkeypatch.setattr(cli, "_uv_run_package", lambda: "beta")  # `uv run --package beta train`
-    assert cli.pick_system(["-h"]) == ("beta", ["-h"])
-    monkeypatch.setattr(cli, "_uv_run_package", lambda: "memfit-core")  # a package that is no system
+        bare.pick_system(["--system", "gamma"])
+    monkeypatch.setattr(bare, "uv_run_package", lambda: "beta")  # `uv run --package beta train`
+    assert bare.pick_system(["-h"]) == ("beta", ["-h"])
+    monkeypatch.setattr(bare, "uv_run_package", lambda: "memfit-core")  # a package that is no system
     with pytest.raises(UsageError, match="which system"):
-        cli.pick_system([])
-    monkeypatch.setattr(cli, "available_systems", lambda: {"alpha": None})
-    assert cli.pick_system([]) == ("alpha", [])
+        bare.pick_system([])
+    monkeypatch.setattr(bare, "available_systems", lambda: {"alpha": None})
+    assert bare.pick_system([]) == ("alpha", [])
+
+
+def test_the_uv_package_is_read_from_the_parent_process_command_line(monkeypatch, tmp_path):
+    """uv passes the --package to nobody: it is read from the parent's argv, on Linux from /proc, and
+    elsewhere (no /proc) from `ps`. A process started by `uv run --package beta` finds beta either way."""
+    import sys
+
+    fake_uv = tmp_path / "uv"  # a parent process whose argv reads `uv -c ... run --package beta train`
+    fake_uv.symlink_to(sys.executable)
+    child = [sys.executable, "-c", "from memfit import bare; print(bare.uv_run_package())"]
+    spawn = f"import subprocess; subprocess.run({child!r})"
+    cases = ((["--package", "beta", "train"], "beta"), (["--package=gamma"], "gamma"), ([], "None"))
+    for words, found in cases:
+        done = subprocess.run([str(fake_uv), "-c", spawn, "run", *words], capture_output=True, text=True)
+        assert done.stdout.strip() == found, done.stderr
+    monkeypatch.setattr(bare, "Path", lambda *a: Path("/no/proc/here") if a == ("/proc",) else Path(*a))
+    assert bare._parent_and_argv(os.getpid())[0] == os.getppid()  # through `ps`, as on macOS
 
 
 @needs_uv

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from memfit import cli
+from memfit import bare
 from memfit.ops.layers import checkpointed
 from memfit.system import System, available_systems, register, unregister
 from memfit.train.checkpoint import load_checkpoint
@@ -134,11 +134,11 @@ def test_toy_system_trains_evaluates_and_resumes_through_the_contract(toy, tmp_p
     runs = ["--runs_dir", str(tmp_path), "--no_progress", "--amp", "none"]
     torch.manual_seed(0)
     untrained = mse(ToyModel(PRESETS["tiny"]))
-    cli.train_main(["--system", NAME, *runs, "--steps", "20", "--run_name", "r", "--checkpointing"])
+    bare.train_main(["--system", NAME, *runs, "--steps", "20", "--run_name", "r", "--checkpointing"])
     run = tmp_path / NAME / "r"
     assert (run / "best.pt").exists() and (run / "ckpt_0000020.pt").exists()
 
-    cli.eval_main(["--system", NAME, "--run", "r", "--runs_dir", str(tmp_path)])  # by name, as trained
+    bare.eval_main(["--system", NAME, "--run", "r", "--runs_dir", str(tmp_path)])  # by name, as trained
     result = json.loads((run / "eval" / "eval.json").read_text())
     assert result["mse"] < 0.5 * untrained and result["preset"] == "tiny"
     best = [r for r in _rows(run / "metrics.jsonl") if "best_step" in r][-1]
@@ -146,8 +146,8 @@ def test_toy_system_trains_evaluates_and_resumes_through_the_contract(toy, tmp_p
     assert result["mse"] == pytest.approx(best["best/val_mse"], rel=1e-6)
 
     # --ema: validation, best.pt and eval all use the weight average, not the raw weights
-    cli.train_main(["--system", NAME, *runs, "--steps", "20", "--run_name", "e", "--ema", "0.9"])
-    cli.eval_main(["--system", NAME, "--run", "e", "--runs_dir", str(tmp_path)])
+    bare.train_main(["--system", NAME, *runs, "--steps", "20", "--run_name", "e", "--ema", "0.9"])
+    bare.eval_main(["--system", NAME, "--run", "e", "--runs_dir", str(tmp_path)])
     ema_run = tmp_path / NAME / "e"
     averaged = json.loads((ema_run / "eval" / "eval.json").read_text())["mse"]
     best = [r for r in _rows(ema_run / "metrics.jsonl") if "best_step" in r][-1]
@@ -156,19 +156,19 @@ def test_toy_system_trains_evaluates_and_resumes_through_the_contract(toy, tmp_p
     raw.load_state_dict(load_checkpoint(ema_run / "best.pt")["model"])
     assert mse(raw) != pytest.approx(averaged, rel=1e-3)
     with pytest.raises(SystemExit) as e:
-        cli.train_main(["--system", NAME, *runs, "--ema", "1", "--run_name", "f"])
+        bare.train_main(["--system", NAME, *runs, "--ema", "1", "--run_name", "f"])
     assert e.value.code == 2 and "--ema must be in [0, 1)" in capsys.readouterr().err
 
-    cli.train_main(["--system", NAME, *runs, "--steps", "30", "--run_name", "r", "--resume"])
+    bare.train_main(["--system", NAME, *runs, "--steps", "30", "--run_name", "r", "--resume"])
     steps = [r["step"] for r in _rows(run / "metrics.jsonl") if "loss" in r]
     assert steps == list(range(5, 31, 5))  # one row per logged step, none duplicated
 
     with pytest.raises(SystemExit) as e:  # the same run again, without --resume
-        cli.train_main(["--system", NAME, *runs, "--steps", "30", "--run_name", "r"])
+        bare.train_main(["--system", NAME, *runs, "--steps", "30", "--run_name", "r"])
     assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        cli.train_main(["--system", NAME, *runs, "--lr", "0", "--run_name", "s"])
+        bare.train_main(["--system", NAME, *runs, "--lr", "0", "--run_name", "s"])
     assert e.value.code == 2 and "--lr must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # a checkpoint of this system, another config
-        cli.train_main(["--system", NAME, *runs, "--config", "small", "--run_name", "r", "--resume"])
+        bare.train_main(["--system", NAME, *runs, "--config", "small", "--run_name", "r", "--resume"])
     assert e.value.code == 2 and "width 8 -> 32" in capsys.readouterr().err

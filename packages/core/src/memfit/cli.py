@@ -1,18 +1,14 @@
 """memfit: a training step's memory estimated without a GPU, and the systems' train and eval.
 
 `memfit estimate / budget / fit / export / plot / systems / run / doctor`, `memfit train SYSTEM` and
-`memfit eval SYSTEM`; and the bare `train` / `eval` every system shares. uv puts every workspace
-member's scripts in one venv ``bin/``, so two members that both declared ``train`` would overwrite each
-other. Core owns ``train`` and ``eval`` alone and picks the system: ``--system S``,
-else the ``--package`` of the ``uv run`` that started us, else the only installed system, else an error
-that lists the choices.
+`memfit eval SYSTEM`. The bare `train` / `eval` scripts (`uv run --package SYSTEM train`) are
+memfit.bare's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,91 +29,6 @@ HEAVY = {
     "fit": "largest batch (and whether checkpointing is needed) that fits a GPU",
     "estimate": "training-step memory of any model: peak, culprits, what-ifs, largest batch",
 }
-
-# ----------------------------------------------------------------------------------------------------
-# train / eval dispatcher
-# ----------------------------------------------------------------------------------------------------
-
-
-def _uv_run_package(max_depth: int = 4) -> str | None:
-    """The X of an ancestor `uv run --package X ...` process (Linux /proc), or None."""
-    pid = os.getpid()
-    for _ in range(max_depth):
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-            pid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except (OSError, StopIteration, ValueError):
-            return None
-        if pid <= 1:
-            return None
-        if argv and Path(argv[0]).name.startswith("uv") and "run" in argv:
-            for i, arg in enumerate(argv):
-                if arg == "--package" and i + 1 < len(argv):
-                    return argv[i + 1]
-                if arg.startswith("--package="):
-                    return arg.split("=", 1)[1]
-            return None
-    return None
-
-
-def pick_system(argv: list[str]) -> tuple[str, list[str]]:
-    """Decide which system a `train`/`eval` call is for; returns (name, remaining argv)."""
-    systems = available_systems()
-    choices = ", ".join(sorted(systems)) or "(none installed)"
-    rest = list(argv)
-    for i, arg in enumerate(rest):
-        if arg == "--system" or arg.startswith("--system="):
-            if "=" in arg:
-                name = arg.split("=", 1)[1]
-                del rest[i]
-            else:
-                if i + 1 >= len(rest):
-                    raise UsageError(f"error: --system needs a name; installed systems: {choices}")
-                name = rest[i + 1]
-                del rest[i : i + 2]
-            break
-    else:
-        name = os.environ.get("MEMFIT_SYSTEM") or _uv_run_package()
-        if name is None or name not in systems:
-            if name is not None and name not in systems:
-                # `uv run --package memfit-core train`: a package, but not a system
-                name = None
-            if name is None and len(systems) == 1:
-                name = next(iter(systems))
-    if name is None:
-        raise UsageError(
-            "error: which system? Several are installed; say `memfit train <system>` (or `memfit eval`), "
-            f"`train --system <system>` or `uv run --package <system> train` (Linux). Installed: {choices}"
-        )
-    if name not in systems:
-        raise UsageError(f"error: unknown system {name!r}; installed systems: {choices}")
-    return name, rest
-
-
-def _dispatch(kind: str, argv: list[str] | None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv in (["--list"], ["--list_systems"], ["--list-systems"]):  # the last: the older spelling
-        for name in sorted(available_systems()):
-            print(name)
-        return
-    name, rest = pick_system(argv)
-    system = load_system(name)
-    sys.argv[0] = f"{name} {kind}"  # argparse's prog: `--help` says which system answered
-    status = run_command(sys.argv[0], system.entry(kind), rest)
-    if status:
-        raise SystemExit(status)
-
-
-def train_main(argv: list[str] | None = None) -> None:
-    """`train [--system S] ...`: the chosen system's trainer."""
-    _dispatch("train", argv)
-
-
-def eval_main(argv: list[str] | None = None) -> None:
-    """`eval [--system S] ...`: the chosen system's evaluation."""
-    _dispatch("eval", argv)
-
 
 # ----------------------------------------------------------------------------------------------------
 # memfit budget

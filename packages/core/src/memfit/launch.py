@@ -87,5 +87,5 @@ def memfit(argv: list[str] | None = None) -> int:
     return launch("memfit.cli:main", "memfit", argv)
 
 
-train = _Command("train", "memfit.cli:train_main")
-eval = _Command("eval", "memfit.cli:eval_main")  # noqa: A001 (the console script's name)
+train = _Command("train", "memfit.bare:train_main")
+eval = _Command("eval", "memfit.bare:eval_main")  # noqa: A001 (the console script's name)
