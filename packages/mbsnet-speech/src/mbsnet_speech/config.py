@@ -12,6 +12,8 @@ from memfit.train.config import RATE, SHARE, STEPS, WEIGHT, check_config
 from memfit.train.settings import LoopConfig, Settings
 
 SAMPLE_RATE = 16_000
+MIN_SAMPLES = 400  # one STFT window at 16 kHz; shorter clips carry no frame
+HELDOUT_SNR = (0.0, 10.0)  # SNR range (dB) of the fixed held-out-voice mixes (data.heldout_mixes, eval --snr)
 
 
 @dataclass(frozen=True)
@@ -251,7 +253,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_config(self)
-        if self.seconds * SAMPLE_RATE < 400:
+        if self.seconds * SAMPLE_RATE < MIN_SAMPLES:
             raise ValueError(f"seconds must be >= 0.025 (one STFT window), got {self.seconds:g}")
         if self.snr is not None and not (len(self.snr) == 2 and self.snr[0] <= self.snr[1]):
             raise ValueError(f"snr needs MIN <= MAX, got {' '.join(map(str, self.snr))}; swap them")

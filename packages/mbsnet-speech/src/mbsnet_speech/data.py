@@ -29,9 +29,14 @@ import soundfile as sf
 import torch
 
 from mbsnet_speech import augment
-from mbsnet_speech.config import SAMPLE_RATE, Augment, parse_names  # noqa: F401 - parse_names: data's name too
+from mbsnet_speech.config import (  # noqa: F401 - parse_names: data's name too
+    HELDOUT_SNR,
+    MIN_SAMPLES,
+    SAMPLE_RATE,
+    Augment,
+    parse_names,
+)
 
-MIN_SAMPLES = 400  # one STFT window at 16 kHz; shorter clips carry no frame
 TRAIN_STREAM, HELDOUT_STREAM = 0, 1
 
 # ----------------------------------------------------------------------------------------------------
@@ -568,7 +573,6 @@ def split_groups(
 
 
 VAL_SEED = 4321  # the held-out validation files and mixes do not depend on --seed
-HELDOUT_SNR = (0.0, 10.0)  # SNR range (dB) of the fixed held-out-voice mixes
 
 
 def heldout_mixes(

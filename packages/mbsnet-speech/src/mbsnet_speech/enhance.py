@@ -25,10 +25,12 @@ import torch
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.export import model_line
-from memfit.train.flags import BooleanFlag, Parser, add_threads_arg, apply_threads, check_numbers
+from memfit.train.flags import apply_threads
 from memfit.train.outputs import check_outputs, output_files
 
-from mbsnet_speech.data import AUDIO_EXTS, MIN_SAMPLES, SAMPLE_RATE, conversion_notes, read_blocks
+from mbsnet_speech.config import MIN_SAMPLES, SAMPLE_RATE
+from mbsnet_speech.data import AUDIO_EXTS, conversion_notes, read_blocks
+from mbsnet_speech.flags import chunk_samples, enhance_args
 from mbsnet_speech.model import MBSNet
 from mbsnet_speech.system import SYSTEM
 
@@ -53,31 +55,6 @@ def inference_overrides(pcs: bool | None, keep_noisy: float | None, shifts: int 
     """Config overrides of --pcs / --keep_noisy / --shifts (None: the run's own)."""
     given = {"pcs": pcs, "keep_noisy": keep_noisy, "shifts": shifts}
     return {k: v for k, v in given.items() if v is not None}
-
-
-def add_pcs_arg(p: argparse.ArgumentParser) -> None:
-    """--pcs / --no_pcs, --keep_noisy and --shifts for eval and enhance: None keeps the run's config."""
-    p.add_argument(
-        "--pcs",
-        action=BooleanFlag,
-        default=None,
-        help="perceptual contrast stretching of the output (default: the run's config; CPU recipe: on)",
-    )
-    p.add_argument(
-        "--keep_noisy",
-        type=float,
-        default=None,
-        metavar="SHARE",
-        help="share of the noisy input mixed back into the output, 0..1 (default: the run's config)",
-    )
-    p.add_argument(
-        "--shifts",
-        type=int,
-        default=None,
-        metavar="N",
-        help="average N passes over the input delayed by hop/N steps, N times the compute (default: the "
-        "run's config; the generalising recipe: 4)",
-    )
 
 
 def enhance_blocks(
@@ -241,29 +218,16 @@ def model_fn(model: MBSNet) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    """Enhance a wav or a folder of wavs; returns the written paths."""
-    p = Parser(prog="memfit run mbsnet-speech enhance", description=__doc__.splitlines()[0])
-    p.add_argument("input", help="an audio file (.wav/.flac) or a folder of them")
-    p.add_argument("--out", required=True, help="output folder (same file names, 16 kHz mono wav)")
-    p.add_argument(
-        "--run",
-        default=None,
-        help="run name, run folder, .pt file or exported folder (default: the model shipped in the package, "
-        "also `--run shipped`)",
-    )
-    p.add_argument("--runs_dir", default="runs", help="where train wrote its runs (default %(default)s)")
-    p.add_argument("--chunk_seconds", type=float, default=4.0)
-    p.add_argument("--overlap_seconds", type=float, default=0.5)
-    p.add_argument("--overwrite", action="store_true", help="replace output files that exist")
-    add_pcs_arg(p)
-    p.add_argument("--device", default="auto")
-    add_threads_arg(p)
-    args = p.parse_args(argv)
+    """Enhance a wav or a folder of wavs from the command line (argv None -> sys.argv[1:]); returns the
+    written paths."""
+    return run(enhance_args(argv))
+
+
+def run(args: argparse.Namespace) -> list[Path]:
+    """Enhance what flags.enhance_args read (`memfit run mbsnet-speech enhance`); returns the written
+    paths."""
     apply_threads(args)
-    check_numbers(args, chunk_seconds="(0, 3600]", overlap_seconds="[0, 3600]", keep_noisy="[0, 1]")
-    chunk, overlap = int(args.chunk_seconds * SAMPLE_RATE), int(args.overlap_seconds * SAMPLE_RATE)
-    if chunk < MIN_SAMPLES or overlap >= chunk:
-        raise UsageError("error: --chunk_seconds must be >= 0.025 and longer than --overlap_seconds")
+    chunk, overlap = chunk_samples(args)
     src = Path(args.input)
     if src.is_dir():
         files = sorted(f for f in src.iterdir() if f.suffix.lower() in AUDIO_EXTS and f.is_file())

@@ -12,6 +12,7 @@ The split is the model's own, read from its settings: a run's checkpoint or an e
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import re
@@ -21,25 +22,22 @@ import numpy as np
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.export import model_line
-from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.train.flags import apply_threads, eval_out_dir
 from memfit.train.outputs import output_files, write_file, write_text
 
 from mbsnet_speech.classical import wiener_enhance
-from mbsnet_speech.config import TrainConfig
+from mbsnet_speech.config import SAMPLE_RATE
 from mbsnet_speech.data import (
-    HELDOUT_SNR,
-    MIN_SAMPLES,
     MIX_NOISE_KINDS,
-    SAMPLE_RATE,
     VAL_SEED,
     audio_files,
     find_pairs,
     heldout_mixes,
     heldout_pairs,
-    parse_names,
     split_groups,
 )
-from mbsnet_speech.enhance import add_pcs_arg, enhance_array, inference_overrides, model_fn
+from mbsnet_speech.enhance import enhance_array, inference_overrides, model_fn
+from mbsnet_speech.flags import eval_args
 from mbsnet_speech.metrics import PairResult, evaluate_pairs, pesq_score, si_sdr, stoi_score, summarise
 
 METRICS = ("pesq_wb", "pesq_nb", "stoi", "si_sdr")
@@ -179,66 +177,24 @@ def spectrogram_png(
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Evaluate from the command line (argv None -> sys.argv[1:]); returns the first set's summary."""
-    p = Parser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=None, help="clean_*/noisy_* root (its test split when it has one)")
-    p.add_argument("--clean", default=None, help="folder of clean speech: held-out voices mixed with noise")
-    p.add_argument(
-        "--noise", default=None, help="noise files for --clean and --speech (none: built-in noises)"
-    )
-    p.add_argument(
-        "--voices",
-        type=parse_names,
-        default=None,
-        metavar="A,B,...",
-        help="voices of --clean to score (default: the run's test voices, else its validation ones)",
-    )
-    p.add_argument(
-        "--noises",
-        type=parse_names,
-        default=None,
-        metavar="A,B,...",
-        help="noise recordings of --noise to use (default: the run's test noises, else validation)",
-    )
-    p.add_argument(
-        "--speech", default=None, help="a clean recording (or folder) mixed with the held-out noises"
-    )
-    p.add_argument(
-        "--mixes", type=int, default=24, help="mixes of held-out voices (and of --speech) to score"
-    )
-    p.add_argument(
-        "--snr",
-        type=float,
-        nargs=2,
-        default=HELDOUT_SNR,
-        metavar=("MIN", "MAX"),
-        help="SNR range in dB of those mixes (default 0 10)",
-    )
-    p.add_argument("--pairs", type=int, default=16, help="generated pairs to evaluate")
-    p.add_argument("--seconds", type=float, default=3.0, help="length of generated pairs")
-    p.add_argument("--limit", type=int, default=None, help="evaluate at most this many files from --data")
-    add_pcs_arg(p)
-    add_eval_args(p, "mbsnet-speech", shipped=True)
-    args = p.parse_args(argv)
+    return run(eval_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    """Evaluate what flags.eval_args read (`memfit eval mbsnet-speech`); returns the first set's summary."""
     apply_threads(args)
-    check_numbers(args, pairs="[1, 2**20]", seconds="(0, 3600]", limit="[1, 2**31-1]", mixes="[1, 2**20]",
-                  keep_noisy="[0, 1]")  # fmt: skip
-    check_numbers(args, snr=TrainConfig.RANGES["snr"])  # the mixer's range, as train's --snr
-    if args.seconds * SAMPLE_RATE < MIN_SAMPLES:
-        raise UsageError(f"error: --seconds {args.seconds:g} is shorter than one STFT frame; give >= 0.025")
-    if args.snr[0] > args.snr[1]:
-        raise UsageError(f"error: --snr needs MIN <= MAX, got {args.snr[0]:g} {args.snr[1]:g}; swap them")
     from mbsnet_speech.system import SYSTEM
 
-    run = SYSTEM.run_dir(args.run, args.runs_dir)
-    name = "shipped" if SYSTEM.is_shipped(run) else None
+    model_path = SYSTEM.run_dir(args.run, args.runs_dir)
+    name = "shipped" if SYSTEM.is_shipped(model_path) else None
     try:  # the model first (seconds): --shifts or --keep_noisy it refuses leaves no --out folder behind
         overrides = inference_overrides(args.pcs, args.keep_noisy, args.shifts)
-        model, state = SYSTEM.load_model(run, resolve_device(args.device), **overrides)
+        model, state = SYSTEM.load_model(model_path, resolve_device(args.device), **overrides)
     except UsageError:
         raise
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(f"error: {e}") from None
-    out_dir = eval_out_dir(args, run, (args.data, args.clean, args.noise, args.speech), name)
+    out_dir = eval_out_dir(args, model_path, (args.data, args.clean, args.noise, args.speech), name)
     try:
         settings = state.get("settings")
         sets = eval_sets(args, (settings or {}).get("train") or {}, known=settings is not None)

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memfit.system import BudgetEntry, Scaling, System
+from memfit.system import BudgetEntry, Scaling, System, parse_then_run
 
 from mbsnet_speech.config import LossWeights, MBSNetConfig, default_config, seed_config, tiny_config
 
@@ -121,9 +121,11 @@ SYSTEM = System(
     summary="MBS-Net speech enhancement (band-split Mamba, explicit phase; 2.6M params at paper size), "
     "scored by PESQ",
     train="mbsnet_speech.train:main",
-    eval="mbsnet_speech.eval:main",
+    eval=parse_then_run("mbsnet_speech.flags:eval_args", "mbsnet_speech.eval:run"),
     budgets=budget_entries,
-    extra_commands={"enhance": "mbsnet_speech.enhance:main"},
+    extra_commands={
+        "enhance": parse_then_run("mbsnet_speech.flags:enhance_args", "mbsnet_speech.enhance:run")
+    },
     config_cls=MBSNetConfig,
     build_model="mbsnet_speech.model:MBSNet",
     shipped=Path(__file__).parent / "pretrained",
