@@ -14,7 +14,7 @@ import pytest
 import torch
 from memfit import bare
 from memfit.ops.layers import checkpointed
-from memfit.system import System, available_systems, register, unregister
+from memfit.system import System, available_systems, parse_then_run, register, unregister
 from memfit.train.checkpoint import load_checkpoint
 from memfit.train.config import check_fields
 from memfit.train.flags import Parser, add_eval_args, apply_threads, eval_out_dir
@@ -94,14 +94,18 @@ def train_main(argv: list[str] | None = None) -> dict:
     return trainer.fit()
 
 
-def eval_main(argv: list[str] | None = None) -> dict:
+def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags (a real system keeps them in its torch-free flags.py)."""
     p = Parser()
     add_eval_args(p, NAME)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def eval_run(args: argparse.Namespace) -> dict:
     apply_threads(args)
-    run = resolve_run(args.run, NAME, args.runs_dir)
-    out = eval_out_dir(args, run)
-    model, state = SYSTEM.load_model(run, "cpu")
+    path = resolve_run(args.run, NAME, args.runs_dir)
+    out = eval_out_dir(args, path)
+    model, state = SYSTEM.load_model(path, "cpu")
     result = {"mse": mse(model), "step": state["step"], "preset": state["meta"]["preset"]}
     (out / "eval.json").write_text(json.dumps(result))
     return result
@@ -111,7 +115,7 @@ SYSTEM = System(
     name=NAME,
     summary="a linear regression with a hidden layer: the contract's smallest user",
     train=train_main,
-    eval=eval_main,
+    eval=parse_then_run(eval_args, eval_run),
     config_cls=ToyConfig,
     build_model=ToyModel,
 )
