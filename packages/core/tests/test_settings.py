@@ -180,3 +180,19 @@ def test_a_switch_is_spelled_with_underscores_and_the_older_hyphen_still_works()
     usage, text = p.format_usage(), p.format_help()
     assert "[--remix | --no_remix]" in usage and "--no-remix" not in usage
     assert "also --no-remix, the older spelling" in " ".join(text.split())
+
+
+def test_summary_of_reads_a_docstring_without_importing_the_module():
+    """A command's torch-free flags describe it with the first line of the module that does the work."""
+    import sys
+
+    from memfit.train.flags import summary_of
+
+    sys.modules.pop("memfit.estimate.timeline", None)
+    line = summary_of("memfit.estimate.timeline")
+    assert "memfit.estimate.timeline" not in sys.modules
+    from memfit.estimate import timeline
+
+    assert line == timeline.__doc__.splitlines()[0] and line
+    with pytest.raises(ModuleNotFoundError):
+        summary_of("memfit.no_such_module")

@@ -11,17 +11,16 @@ from __future__ import annotations
 import argparse
 
 from memfit.errors import UsageError
-from memfit.train.flags import BooleanFlag, Parser, add_eval_args, add_threads_arg, check_numbers
+from memfit.train.flags import (
+    BooleanFlag,
+    Parser,
+    add_eval_args,
+    add_threads_arg,
+    check_numbers,
+    summary_of,
+)
 
 from mbsnet_speech.config import HELDOUT_SNR, MIN_SAMPLES, SAMPLE_RATE, TrainConfig, parse_names
-
-# the first lines of eval.py's and enhance.py's docstrings (test_mbsnet_cli checks they agree)
-EVAL_SUMMARY = (
-    "Evaluate MBS-Net: PESQ (wb, nb), STOI and SI-SDR of noisy vs enhanced, a table, a CSV and a spectrogram."
-)
-ENHANCE_SUMMARY = (
-    "Enhance wav files with a trained MBS-Net: `memfit run mbsnet-speech enhance IN --out DIR --run RUN`."
-)
 
 
 def add_pcs_arg(p: argparse.ArgumentParser) -> None:
@@ -51,7 +50,7 @@ def add_pcs_arg(p: argparse.ArgumentParser) -> None:
 
 def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
     """`eval`'s flags (argv None -> sys.argv[1:]), their numbers checked; eval.run does the work."""
-    p = Parser(description=EVAL_SUMMARY)
+    p = Parser(description=summary_of("mbsnet_speech.eval"))
     p.add_argument("--data", default=None, help="clean_*/noisy_* root (its test split when it has one)")
     p.add_argument("--clean", default=None, help="folder of clean speech: held-out voices mixed with noise")
     p.add_argument(
@@ -103,7 +102,7 @@ def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def enhance_args(argv: list[str] | None = None) -> argparse.Namespace:
     """`enhance`'s flags (argv None -> sys.argv[1:]), their numbers checked; enhance.run does the work."""
-    p = Parser(prog="memfit run mbsnet-speech enhance", description=ENHANCE_SUMMARY)
+    p = Parser(prog="memfit run mbsnet-speech enhance", description=summary_of("mbsnet_speech.enhance"))
     p.add_argument("input", help="an audio file (.wav/.flac) or a folder of them")
     p.add_argument("--out", required=True, help="output folder (same file names, 16 kHz mono wav)")
     p.add_argument(

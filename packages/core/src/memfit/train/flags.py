@@ -16,6 +16,20 @@ from memfit.errors import UsageError
 from memfit.train.config import check_fields
 
 
+def summary_of(module: str) -> str:
+    """The first line of ``module``'s docstring, read from its source without importing it: a command's
+    flags (in a torch-free module) describe the command with the docstring of the module that does the
+    work, which imports torch. Only the package above ``module`` is imported (to find the file)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin:
+        raise ModuleNotFoundError(f"no module named {module!r}")
+    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))) or ""
+    return doc.splitlines()[0] if doc else ""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with memfit's error contract: a bad or unknown flag is one line (UsageError, exit 2)."""
 
