@@ -173,6 +173,9 @@ CPU_TRAIN = TrainConfig(
 SETTINGS = {name: _settings(name, CPU_TRAIN if name == "cpu" else TrainConfig()) for name in PRESETS}
 
 
+SPLITS = ("train", "val", "holdout", "test", "all")  # the image sets data.load_split serves (`eval --split`)
+
+
 def default_cache_dir() -> Path:
     """Where decoded image folders are cached (`--cache_dir`): $XDG_CACHE_HOME/ginr_cifar, else
     ~/.cache/ginr_cifar."""

@@ -24,10 +24,9 @@ from pathlib import Path
 import torch
 from memfit.train.cpu import cpu_count
 
-from ginr_cifar.config import default_cache_dir  # noqa: F401 - data's name for it too
+from ginr_cifar.config import SPLITS, default_cache_dir  # noqa: F401 - data's names for them too
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".gif", ".tif", ".tiff", ".webp")
-SPLITS = ("train", "val", "holdout", "test", "all")
 SPLIT_SEED = 1234  # the held-out split never depends on the training seed
 
 

@@ -1,4 +1,5 @@
-"""Evaluate a trained Mamba-GINR: PSNR on any image set beside two baselines, and a PNG grid.
+"""The work of `ginr-eval` (its flags: ginr_cifar.flags): PSNR on any image set beside two baselines, and a
+PNG grid.
 
 `ginr-eval --run NAME` decodes every pixel of every image of the split, prints the mean PSNR (dB, pixels
 in [0, 1]) beside the mean-colour and 16x16-average-pool -> bicubic baselines (the latter a 768-number
@@ -25,38 +26,17 @@ import torch.nn.functional as F
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.export import model_line
-from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.train.flags import apply_threads, eval_out_dir
 from memfit.train.metrics import psnr_per_image
 from memfit.train.outputs import write_file, write_text
 from memfit.train.run_dir import resolve_run
 
-from ginr_cifar.data import SPLITS, _find_cifar_batches, default_cache_dir, load_split
+from ginr_cifar.data import _find_cifar_batches, load_split
+from ginr_cifar.flags import eval_args
 from ginr_cifar.model import GINR
 from ginr_cifar.system import SYSTEM
 
 DECODE_TOKENS = 2**17  # coordinates decoded at once (images x pixels), bounds eval memory at any resolution
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(description=__doc__.split("\n")[0])
-    p.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
-    p.add_argument(
-        "--split",
-        default="auto",
-        choices=["auto", *SPLITS],
-        help="auto: the run's held-out images, or --data's test images, or all of --data's images",
-    )
-    p.add_argument(
-        "--resolution", type=int, default=None, help="decode at R x R pixels (default: the image size)"
-    )
-    p.add_argument("--holdout", type=int, default=None, help="held-out count (default: the run's)")
-    p.add_argument("--num_images", type=int, default=None, help="evaluate only the first N images")
-    p.add_argument("--batch_size", type=int, default=100)
-    p.add_argument("--grid", type=int, default=16, help="images in the PNG grid (spread across the set)")
-    p.add_argument("--cache_dir", default=str(default_cache_dir()))
-    p.add_argument("--no_cache", action="store_true")
-    add_eval_args(p, "ginr-cifar")
-    return p
 
 
 def load_model(run: str | Path | None, device: torch.device) -> tuple[GINR, dict]:
@@ -176,15 +156,18 @@ def pick_split(split: str, data: str | None, run_data: str | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = build_parser().parse_args(argv)
+    """`ginr-eval` with these flags (None: sys.argv[1:]); returns the results it writes."""
+    return run(eval_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Evaluate with flags ginr_cifar.flags.eval_args read (the command's work: it imports torch)."""
     apply_threads(args)
-    check_numbers(args, batch_size="[1, 2**20]", grid="[1, 1024]", num_images="[1, 2**31-1]",
-                  resolution="[1, 2**14]", holdout="[0, 2**31-1]")  # fmt: skip
     device = resolve_device(args.device)
-    run = resolve_run(args.run, "ginr-cifar", args.runs_dir)
-    out = eval_out_dir(args, run, (args.data,))
+    run_path = resolve_run(args.run, "ginr-cifar", args.runs_dir)
+    out = eval_out_dir(args, run_path, (args.data,))
     try:
-        model, meta = load_model(run, device)
+        model, meta = load_model(run_path, device)
         print(model_line(SYSTEM, meta))
         data = args.data if args.data is not None else meta.get("data")
         split = pick_split(args.split, args.data, meta.get("data"))

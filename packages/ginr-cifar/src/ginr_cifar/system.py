@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from memfit.system import BudgetEntry, Scaling, System
+from memfit.system import BudgetEntry, Scaling, System, parse_then_run
 
 from ginr_cifar.config import GINRConfig, get_config
 
@@ -90,7 +90,7 @@ SYSTEM = System(
     name="ginr-cifar",
     summary="Mamba-GINR on CIFAR-10; SCENT-style decoder made query-independent (ff / xattn) to fit",
     train="ginr_cifar.train:main",
-    eval="ginr_cifar.eval:main",
+    eval=parse_then_run("ginr_cifar.flags:eval_args", "ginr_cifar.eval:run"),
     budgets=budget_entries,
     config_cls=GINRConfig,
     build_model="ginr_cifar.model:GINR",

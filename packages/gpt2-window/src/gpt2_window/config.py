@@ -10,6 +10,9 @@ from memfit.train.config import COUNT, DECAY, RATE, STEPS, WEIGHT, check_config
 from memfit.train.settings import LoopConfig, Settings
 
 ATTN_IMPLS = ("memfit", "ref", "seed")
+# The lowest sampling temperature (GPT.generate, `generate --temperature`): logits / temperature stays finite
+# (logits / 1e-45 overflowed to inf and softmax gave NaN probabilities); below it sampling is all but greedy.
+MIN_TEMPERATURE = 1e-4
 
 
 @dataclass(frozen=True)

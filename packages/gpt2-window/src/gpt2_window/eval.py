@@ -1,25 +1,27 @@
-"""Evaluate a trained GPT: `gpt2-eval [--run RUN_DIR_OR_CKPT]` prints validation loss and perplexity.
+"""The work of `gpt2-eval [--run RUN_DIR_OR_CKPT]` (its flags: gpt2_window.flags): validation loss and
+perplexity.
 
 `gpt2-eval generate ...` samples text instead (gpt2_window.sample; in Python, `gpt2_window.generate`).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.export import model_line
-from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.train.flags import apply_threads, eval_out_dir
 from memfit.train.loop import autocast_context, step_generator
 from memfit.train.outputs import write_text
 from memfit.train.run_dir import resolve_run
 
 from gpt2_window.data import TokenData, Tokenizer, load_data
+from gpt2_window.flags import eval_args
 from gpt2_window.model import GPT
 
 EVAL_SEED = 1234  # fixed batches: evaluations of different steps and runs see the same windows
@@ -60,28 +62,22 @@ def load_model(run: str | Path | None, device: torch.device, runs_dir: str = "ru
 
 def run(argv: list[str] | None = None) -> dict | list[str]:
     """main() returning its results (for tests and scripts)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["generate"]:
-        from gpt2_window.sample import run as generate_run
+    return evaluate(eval_args(argv))
 
-        return generate_run(argv[1:])
-    p = Parser(description=__doc__.splitlines()[0])
-    add_eval_args(p, "gpt2-window")
-    p.add_argument("--amp", choices=["bf16", "fp16", "none"], default="none", help="autocast for evaluation")
-    p.add_argument("--data", default=None, help="evaluation data (default: the data the run trained on)")
-    p.add_argument("--split", choices=["val", "train"], default="val")
-    p.add_argument("--batch_size", type=int, default=12)
-    p.add_argument("--sequence_length", type=int, default=None, help="default: the training length")
-    p.add_argument("--eval_iters", type=int, default=200, help="batches to average over")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    args = p.parse_args(argv)
+
+def evaluate(args: argparse.Namespace) -> dict | list[str]:
+    """The work of `gpt2-eval` on the flags gpt2_window.flags.eval_args read (it imports torch); those of
+    `gpt2-eval generate` sample text instead (gpt2_window.sample)."""
+    if args.command == "generate":
+        from gpt2_window.sample import sample_texts
+
+        return sample_texts(args)
     apply_threads(args)
-    check_numbers(args, batch_size="[1, 2**20]", eval_iters="[1, 2**20]", sequence_length="[1, 2**24]")
     device = resolve_device(args.device)
-    run = resolve_run(args.run, "gpt2-window", args.runs_dir)
-    out = eval_out_dir(args, run, (args.data,))
+    run_path = resolve_run(args.run, "gpt2-window", args.runs_dir)
+    out = eval_out_dir(args, run_path, (args.data,))
     try:
-        model, mc = load_model(run, device)
+        model, mc = load_model(run_path, device)
         from gpt2_window.system import SYSTEM
 
         if not args.json:

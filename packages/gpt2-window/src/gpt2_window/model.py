@@ -23,12 +23,9 @@ from memfit.ops.layers import checkpointed
 from torch import nn
 
 from gpt2_window.baselines import SeedMaskCache
-from gpt2_window.config import GPTConfig
+from gpt2_window.config import MIN_TEMPERATURE, GPTConfig
 
 SAMPLING_MIN_LENGTH = 64  # generate() on CUDA runs contexts at powers of two from this (_sampling_length)
-# The lowest sampling temperature: logits / temperature stays finite (logits / 1e-45 overflowed to inf and
-# softmax gave NaN probabilities); below it sampling is all but greedy anyway.
-MIN_TEMPERATURE = 1e-4
 
 
 class CausalSelfAttention(nn.Module):

@@ -1,29 +1,25 @@
-"""Sample text from a trained GPT: `memfit run gpt2-window generate --run RUN --prompt "ROMEO:"`."""
+"""The work of `memfit run gpt2-window generate --run RUN --prompt "ROMEO:"` (its flags: gpt2_window.flags):
+text sampled from a trained GPT."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
-from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers
+from memfit.train.flags import apply_threads
 
 from gpt2_window.api import samples
-from gpt2_window.model import MIN_TEMPERATURE
+from gpt2_window.flags import generate_args
 
 
 def run(argv: list[str] | None = None) -> list[str]:
     """main() returning its results (for tests and scripts)."""
-    p = Parser(prog="memfit run gpt2-window generate", description=__doc__.splitlines()[0])
-    add_eval_args(p, "gpt2-window", out=False)
-    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
-    p.add_argument("--max_new_tokens", type=int, default=200)
-    p.add_argument("--num_samples", type=int, default=1)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top_k", type=int, default=200)
-    p.add_argument("--seed", type=int, default=1337)
-    args = p.parse_args(argv)
-    temperature = f"[{MIN_TEMPERATURE:g}, 1e4]"
-    check_numbers(args, max_new_tokens="[0, 2**24]", num_samples="[1, 2**16]", temperature=temperature,
-                  top_k="[1, 2**31-1]", seed="0..2**63-1")  # fmt: skip
+    return sample_texts(generate_args(argv))
+
+
+def sample_texts(args: argparse.Namespace) -> list[str]:
+    """The work of `generate` on the flags gpt2_window.flags.generate_args read: prints the samples and
+    returns them."""
     apply_threads(args)
     from memfit.train.export import model_line
 

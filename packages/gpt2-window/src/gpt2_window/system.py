@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from memfit.system import BudgetEntry, Scaling, System
+from memfit.system import BudgetEntry, Scaling, System, parse_then_run
 
 from gpt2_window.config import GPTConfig, get_config
 
@@ -91,9 +91,11 @@ SYSTEM = System(
     summary="GPT-2 with sliding-window attention that never costs more memory than causal (124M parameters "
     "at paper size)",
     train="gpt2_window.train:main",
-    eval="gpt2_window.eval:main",
+    eval=parse_then_run("gpt2_window.flags:eval_args", "gpt2_window.eval:evaluate"),
     budgets=budget_entries,
-    extra_commands={"generate": "gpt2_window.sample:main"},
+    extra_commands={
+        "generate": parse_then_run("gpt2_window.flags:generate_args", "gpt2_window.sample:sample_texts")
+    },
     config_cls=GPTConfig,
     build_model="gpt2_window.model:GPT",
     tags=("text-generation", "gpt2", "sliding-window-attention"),

@@ -10,6 +10,10 @@ from memfit.train import config
 from memfit.train.config import COUNT0, RATE, STEPS, WEIGHT, check_config
 from memfit.train.settings import LoopConfig, Settings
 
+# The generated scenes' splits and the number each mixes into a scene's seed (data._scene_seed): a scene of
+# one split is never one of another's (`make-data --split`, `eval --split`).
+SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
+
 
 @dataclass(frozen=True)
 class TriplaneConfig:

@@ -24,6 +24,7 @@ Images are square RGB or RGBA (composited on white), image_size x image_size, th
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections import OrderedDict
@@ -32,9 +33,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from memfit.train.flags import Parser
 from PIL import Image
 
+from moremouse_triplane.config import SPLIT_IDS
+from moremouse_triplane.flags import make_data_args
 from moremouse_triplane.render import intrinsics, look_at, orbit_eye, pixel_rays
 
 # Camera rig of the synthetic scenes: one fixed input camera, target cameras anywhere on the orbit.
@@ -42,7 +44,6 @@ RADIUS = 2.3
 FOV_DEG = 40.0
 INPUT_VIEW = (45.0, 25.0)  # azimuth, elevation in degrees
 EVAL_VIEWS = ((135.0, 20.0), (225.0, 35.0), (315.0, 10.0), (90.0, 55.0))  # held-out views, never the input
-SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
 
 
 def _scene_seed(seed: int, split: str, index: int) -> int:
@@ -441,17 +442,11 @@ def export_scenes(
 
 
 def export_main(argv: list[str] | None = None) -> None:
-    """`make-data`: write generated mice as a folder of renders (the --data layout)."""
-    p = Parser(prog="memfit run moremouse-triplane make-data", description=export_main.__doc__)
-    p.add_argument("out", help="output folder")
-    p.add_argument("--num_scenes", type=int, default=8)
-    p.add_argument("--image_size", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--split", default="val", choices=list(SPLIT_IDS))
-    a = p.parse_args(argv)
-    from memfit.train.flags import check_numbers
+    """`make-data` with these flags (None: sys.argv[1:]; moremouse_triplane.flags.make_data_args)."""
+    make_data(make_data_args(argv))
 
-    check_numbers(a, num_scenes=">=1", image_size=">=1")
-    print(
-        f"wrote {a.num_scenes} scenes to {export_scenes(a.out, a.num_scenes, a.image_size, a.seed, a.split)}"
-    )
+
+def make_data(args: argparse.Namespace) -> None:
+    """`make-data`'s work: write the scenes its flags ask for, and say where."""
+    where = export_scenes(args.out, args.num_scenes, args.image_size, args.seed, args.split)
+    print(f"wrote {args.num_scenes} scenes to {where}")

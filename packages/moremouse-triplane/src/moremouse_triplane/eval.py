@@ -1,22 +1,11 @@
-"""`mouse-eval`: novel views of held-out scenes -> PSNR, SSIM, a ground truth vs prediction strip, an orbit.
-
-    uv run mouse-eval --run run      (a run name, a run folder or a checkpoint file; writes <run>/eval/)
-
-Held-out scenes are the `test` split of the generator (never seen in training, never used to choose
-the checkpoint: training validates on the `val` split), or every scene of --data; held-out views are
-views other than the input. The baseline printed beside the model is the best constant colour per
-image (its mean), which bounds what "predict the background" can score. SSIM is torchmetrics'
-(gaussian window 11, sigma 1.5, data range 1).
-
-Writes to <run>/eval/: eval.json, views.png (per scene: the input, then the held-out views; top row
-ground truth, bottom row prediction) and orbit.png / orbit.gif (novel views around the first scenes).
-"""
+"""The work of `mouse-eval` (its flags, and what it scores and writes: moremouse_triplane.flags.EVAL_HELP,
+its --help): novel views of held-out scenes -> PSNR and SSIM beside the best constant colour, a ground
+truth vs prediction strip and an orbit."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +14,14 @@ import torch.nn.functional as F
 from memfit.errors import UsageError
 from memfit.train.distributed import resolve_device
 from memfit.train.export import model_line
-from memfit.train.flags import Parser, add_eval_args, apply_threads, check_numbers, eval_out_dir
+from memfit.train.flags import apply_threads, eval_out_dir
 from memfit.train.metrics import psnr_per_image
 from memfit.train.outputs import write_file, write_text
 from memfit.train.run_dir import resolve_run
 from PIL import Image
 
 from moremouse_triplane.data import make_source
+from moremouse_triplane.flags import eval_args
 from moremouse_triplane.model import TriplaneGenerator
 from moremouse_triplane.render import image_rays, look_at, orbit_eye
 
@@ -173,36 +163,19 @@ def evaluate(
 
 def main(argv: list[str] | None = None) -> dict:
     """Evaluate a trained run; prints and returns {psnr, ssim, psnr_constant, ssim_constant, ...}."""
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--data", default=None, help="folder of renders; default: held-out generated mice (see --split)"
-    )
-    p.add_argument(
-        "--split",
-        default="test",
-        choices=["val", "test"],
-        help="generated scenes to score: test (default; never seen in training) or val (the ones "
-        "training validated on to choose best.pt)",
-    )
-    p.add_argument("--num_scenes", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--checkpoint",
-        default="best",
-        choices=["best", "latest"],
-        help="which checkpoint of a run folder (default best.pt)",
-    )
-    add_eval_args(p, "moremouse-triplane")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    return run(eval_args(argv))
+
+
+def run(args: argparse.Namespace) -> dict:
+    """main()'s work on the flags moremouse_triplane.flags.eval_args read (it imports torch)."""
     apply_threads(args)
-    check_numbers(args, num_scenes="[1, 2**20]", seed="0..2**63-1")
     device = resolve_device(args.device)
-    run = resolve_run(args.run, "moremouse-triplane", args.runs_dir)
-    out = eval_out_dir(args, run, (args.data,))
+    run_path = resolve_run(args.run, "moremouse-triplane", args.runs_dir)
+    out = eval_out_dir(args, run_path, (args.data,))
     from moremouse_triplane.system import SYSTEM
 
     try:
-        model, state = SYSTEM.load_model(run, device, which=args.checkpoint)
+        model, state = SYSTEM.load_model(run_path, device, which=args.checkpoint)
         print(model_line(SYSTEM, state))
         source = make_source(args.data, model.cfg.image_size, seed=args.seed, split=args.split)
     except UsageError:  # already one line (a run or model file that is missing or damaged)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from memfit.system import BudgetEntry, Scaling, System
+from memfit.system import BudgetEntry, Scaling, System, parse_then_run
 
 from moremouse_triplane.config import TriplaneConfig, get_config
 
@@ -128,9 +128,13 @@ SYSTEM = System(
     name="moremouse-triplane",
     summary="MoReMouse triplane generator: 12,288-token transformer + NeRF rendering, image -> novel views",
     train="moremouse_triplane.train:main",
-    eval="moremouse_triplane.eval:main",
+    eval=parse_then_run("moremouse_triplane.flags:eval_args", "moremouse_triplane.eval:run"),
     budgets=budget_entries,
-    extra_commands={"make-data": "moremouse_triplane.data:export_main"},
+    extra_commands={
+        "make-data": parse_then_run(
+            "moremouse_triplane.flags:make_data_args", "moremouse_triplane.data:make_data"
+        )
+    },
     config_cls=TriplaneConfig,
     build_model="moremouse_triplane.model:build_model",
     tags=("image-to-3d", "nerf", "triplane"),

@@ -1,0 +1,71 @@
+"""The flags of `mouse-eval` and `make-data`, read without importing torch: `--help` and a refused flag or
+number answer before torch's import (about 2 s), which only the work in moremouse_triplane.eval and
+moremouse_triplane.data pays (memfit.system.parse_then_run).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from memfit.train.flags import Parser, add_eval_args, check_numbers
+
+from moremouse_triplane.config import SPLIT_IDS
+
+EVAL_HELP = """\
+`mouse-eval`: novel views of held-out scenes -> PSNR, SSIM, a ground truth vs prediction strip, an orbit.
+
+    uv run mouse-eval --run run      (a run name, a run folder or a checkpoint file; writes <run>/eval/)
+
+Held-out scenes are the `test` split of the generator (never seen in training, never used to choose
+the checkpoint: training validates on the `val` split), or every scene of --data; held-out views are
+views other than the input. The baseline printed beside the model is the best constant colour per
+image (its mean), which bounds what "predict the background" can score. SSIM is torchmetrics'
+(gaussian window 11, sigma 1.5, data range 1).
+
+Writes to <run>/eval/: eval.json, views.png (per scene: the input, then the held-out views; top row
+ground truth, bottom row prediction) and orbit.png / orbit.gif (novel views around the first scenes).
+"""
+
+
+def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`mouse-eval`'s flags (argv None: sys.argv[1:]), their numbers checked (--threads is checked where it
+    is applied, in moremouse_triplane.eval.run)."""
+    p = Parser(description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--data", default=None, help="folder of renders; default: held-out generated mice (see --split)"
+    )
+    p.add_argument(
+        "--split",
+        default="test",
+        choices=["val", "test"],
+        help="generated scenes to score: test (default; never seen in training) or val (the ones "
+        "training validated on to choose best.pt)",
+    )
+    p.add_argument("--num_scenes", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--checkpoint",
+        default="best",
+        choices=["best", "latest"],
+        help="which checkpoint of a run folder (default best.pt)",
+    )
+    add_eval_args(p, "moremouse-triplane")
+    args = p.parse_args(argv)
+    check_numbers(args, num_scenes="[1, 2**20]", seed="0..2**63-1")
+    return args
+
+
+def make_data_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`memfit run moremouse-triplane make-data`'s flags (argv None: sys.argv[1:]), their numbers checked."""
+    p = Parser(
+        prog="memfit run moremouse-triplane make-data",
+        description="`make-data`: write generated mice as a folder of renders (the --data layout).",
+    )
+    p.add_argument("out", help="output folder")
+    p.add_argument("--num_scenes", type=int, default=8)
+    p.add_argument("--image_size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", default="val", choices=list(SPLIT_IDS))
+    args = p.parse_args(argv)
+    check_numbers(args, num_scenes=">=1", image_size=">=1")
+    return args
