@@ -1,5 +1,4 @@
-"""The work of `ginr-eval` (its flags: ginr_cifar.flags): PSNR on any image set beside two baselines, and a
-PNG grid.
+"""Evaluate a trained Mamba-GINR: PSNR on any image set beside two baselines, and a PNG grid.
 
 `ginr-eval --run NAME` decodes every pixel of every image of the split, prints the mean PSNR (dB, pixels
 in [0, 1]) beside the mean-colour and 16x16-average-pool -> bicubic baselines (the latter a 768-number
@@ -13,6 +12,8 @@ or a folder with ``test/`` -> the test images; any other folder -> all its image
 ``--resolution R`` decodes an R x R grid of pixel centres instead (super-resolution: the decoder is a
 function of continuous coordinates) and writes it as ``recon_<split>_<R>.png``; the PSNR is then that of
 the R x R decode average-pooled back to 32 x 32.
+
+Its flags are read in ginr_cifar.flags, which imports no torch (`--help` answers at once).
 """
 
 from __future__ import annotations

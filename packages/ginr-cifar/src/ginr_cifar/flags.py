@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.train.flags import Parser, add_eval_args, check_numbers
+from memfit.train.flags import Parser, add_eval_args, check_numbers, summary_of
 
 from ginr_cifar.config import SPLITS, default_cache_dir
 
@@ -14,8 +14,7 @@ from ginr_cifar.config import SPLITS, default_cache_dir
 def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
     """`ginr-eval`'s flags (argv None: sys.argv[1:]), their numbers checked (--threads is checked where it
     is applied, in ginr_cifar.eval.run)."""
-    p = Parser(description="Evaluate a trained Mamba-GINR: PSNR on any image set beside two baselines, and "
-               "a PNG grid.")  # fmt: skip
+    p = Parser(description=summary_of("ginr_cifar.eval"))
     p.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
     p.add_argument(
         "--split",

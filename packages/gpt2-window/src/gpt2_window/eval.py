@@ -1,7 +1,8 @@
-"""The work of `gpt2-eval [--run RUN_DIR_OR_CKPT]` (its flags: gpt2_window.flags): validation loss and
-perplexity.
+"""Evaluate a trained GPT: `gpt2-eval [--run RUN_DIR_OR_CKPT]` prints validation loss and perplexity.
 
 `gpt2-eval generate ...` samples text instead (gpt2_window.sample; in Python, `gpt2_window.generate`).
+
+Its flags are read in gpt2_window.flags, which imports no torch (`--help` answers at once).
 """
 
 from __future__ import annotations

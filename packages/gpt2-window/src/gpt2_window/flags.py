@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfit.train.flags import Parser, add_eval_args, check_numbers
+from memfit.train.flags import Parser, add_eval_args, check_numbers, summary_of
 
 from gpt2_window.config import MIN_TEMPERATURE
 
@@ -20,8 +20,7 @@ def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["generate"]:
         return generate_args(argv[1:])
-    p = Parser(description="Evaluate a trained GPT: `gpt2-eval [--run RUN_DIR_OR_CKPT]` prints validation "
-               "loss and perplexity.")  # fmt: skip
+    p = Parser(description=summary_of("gpt2_window.eval"))
     add_eval_args(p, "gpt2-window")
     p.add_argument("--amp", choices=["bf16", "fp16", "none"], default="none", help="autocast for evaluation")
     p.add_argument("--data", default=None, help="evaluation data (default: the data the run trained on)")
@@ -38,8 +37,7 @@ def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def generate_args(argv: list[str] | None = None) -> argparse.Namespace:
     """`memfit run gpt2-window generate`'s flags (argv None: sys.argv[1:]), their numbers checked."""
-    p = Parser(prog="memfit run gpt2-window generate", description="Sample text from a trained GPT: "
-               '`memfit run gpt2-window generate --run RUN --prompt "ROMEO:"`.')  # fmt: skip
+    p = Parser(prog="memfit run gpt2-window generate", description=summary_of("gpt2_window.sample"))
     add_eval_args(p, "gpt2-window", out=False)
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     p.add_argument("--max_new_tokens", type=int, default=200)

@@ -1,5 +1,7 @@
-"""The work of `memfit run gpt2-window generate --run RUN --prompt "ROMEO:"` (its flags: gpt2_window.flags):
-text sampled from a trained GPT."""
+"""Sample text from a trained GPT: `memfit run gpt2-window generate --run RUN --prompt "ROMEO:"`.
+
+Its flags are read in gpt2_window.flags, which imports no torch (`--help` answers at once).
+"""
 
 from __future__ import annotations
 

@@ -1,7 +1,18 @@
-"""The work of `mouse-eval` (its flags, and what it scores and writes: moremouse_triplane.flags.EVAL_HELP,
-its --help): novel views of held-out scenes -> PSNR and SSIM beside the best constant colour, a ground
-truth vs prediction strip and an orbit."""
+"""`mouse-eval`: novel views of held-out scenes -> PSNR, SSIM, a ground truth vs prediction strip, an orbit.
 
+    uv run mouse-eval --run run      (a run name, a run folder or a checkpoint file; writes <run>/eval/)
+
+Held-out scenes are the `test` split of the generator (never seen in training, never used to choose
+the checkpoint: training validates on the `val` split), or every scene of --data; held-out views are
+views other than the input. The baseline printed beside the model is the best constant colour per
+image (its mean), which bounds what "predict the background" can score. SSIM is torchmetrics'
+(gaussian window 11, sigma 1.5, data range 1).
+
+Writes to <run>/eval/: eval.json, views.png (per scene: the input, then the held-out views; top row
+ground truth, bottom row prediction) and orbit.png / orbit.gif (novel views around the first scenes).
+"""
+
+# The docstring above is `mouse-eval --help`: moremouse_triplane.flags reads it without importing this module.
 from __future__ import annotations
 
 import argparse

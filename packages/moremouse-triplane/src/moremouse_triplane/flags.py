@@ -7,30 +7,17 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.train.flags import Parser, add_eval_args, check_numbers
+from memfit.train.flags import Parser, add_eval_args, check_numbers, summary_of
 
 from moremouse_triplane.config import SPLIT_IDS
-
-EVAL_HELP = """\
-`mouse-eval`: novel views of held-out scenes -> PSNR, SSIM, a ground truth vs prediction strip, an orbit.
-
-    uv run mouse-eval --run run      (a run name, a run folder or a checkpoint file; writes <run>/eval/)
-
-Held-out scenes are the `test` split of the generator (never seen in training, never used to choose
-the checkpoint: training validates on the `val` split), or every scene of --data; held-out views are
-views other than the input. The baseline printed beside the model is the best constant colour per
-image (its mean), which bounds what "predict the background" can score. SSIM is torchmetrics'
-(gaussian window 11, sigma 1.5, data range 1).
-
-Writes to <run>/eval/: eval.json, views.png (per scene: the input, then the held-out views; top row
-ground truth, bottom row prediction) and orbit.png / orbit.gif (novel views around the first scenes).
-"""
 
 
 def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
     """`mouse-eval`'s flags (argv None: sys.argv[1:]), their numbers checked (--threads is checked where it
     is applied, in moremouse_triplane.eval.run)."""
-    p = Parser(description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # eval.py's whole docstring is the --help text
+    help_text = summary_of("moremouse_triplane.eval", whole=True)
+    p = Parser(description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--data", default=None, help="folder of renders; default: held-out generated mice (see --split)"
     )

@@ -16,10 +16,11 @@ from memfit.errors import UsageError
 from memfit.train.config import check_fields
 
 
-def summary_of(module: str) -> str:
-    """The first line of ``module``'s docstring, read from its source without importing it: a command's
-    flags (in a torch-free module) describe the command with the docstring of the module that does the
-    work, which imports torch. Only the package above ``module`` is imported (to find the file)."""
+def summary_of(module: str, whole: bool = False) -> str:
+    """The first line of ``module``'s docstring (``whole``: all of it), read from its source without
+    importing it: a command's flags (in a torch-free module) describe the command with the docstring of
+    the module that does the work, which imports torch. Only the package above ``module`` is imported (to
+    find the file)."""
     import ast
     import importlib.util
 
@@ -27,7 +28,7 @@ def summary_of(module: str) -> str:
     if spec is None or not spec.origin:
         raise ModuleNotFoundError(f"no module named {module!r}")
     doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))) or ""
-    return doc.splitlines()[0] if doc else ""
+    return doc if whole or not doc else doc.splitlines()[0]
 
 
 class Parser(argparse.ArgumentParser):
