@@ -47,7 +47,9 @@ def _imported():
     for system in SYSTEMS:
         sys_ = load_system(system)
         for kind in ("train", "eval", *sys_.extra_commands):
-            sys_.entry(kind)
+            command = sys_.entry(kind)
+            if hasattr(command, "load"):  # memfit.system.parse_then_run: flags first, the work on call
+                command.load()
         importlib.import_module(f"{MODELS[system][0].split('.')[0]}.api")
     importlib.import_module("memfit.cli")
 

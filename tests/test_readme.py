@@ -291,7 +291,7 @@ def check_command(where: str, words: list[str], monkeypatch, capsys) -> None:
         entry = _console(name)
         assert entry is not None, f"{where}: `{name}` is not an installed command"
         if package is not None and name in ("train", "eval"):
-            monkeypatch.setenv("MEMFIT_SYSTEM", package)  # what `uv run --package` tells it on Linux
+            monkeypatch.setenv("MEMFIT_SYSTEM", package)  # what the parent `uv run --package` names
         monkeypatch.setattr(sys, "argv", [name])
         _call(where, words, lambda: entry(args), capsys)
 

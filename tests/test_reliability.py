@@ -588,7 +588,7 @@ def test_a_config_file_nested_200000_levels_deep_is_one_line(tmp_path, capsys):
 
 def test_generate_refuses_a_temperature_below_its_floor_and_samples_at_the_floor(runs, capsys):
     from gpt2_window.model import MIN_TEMPERATURE
-    from gpt2_window.sample import run as generate
+    from gpt2_window.sample import main as generate
 
     run = runs / SYSTEM / "run"
     for bad in ("1e-45", "0", "nan", "inf"):
@@ -1203,7 +1203,7 @@ def test_every_numeric_eval_flag_refuses_hostile_numbers_naming_itself(command, 
     line naming the flag, before any run is looked for (mbsnet-speech's shipped model: its inference
     flags are checked against the model)."""
     if command == "gpt2-generate":
-        from gpt2_window.sample import run as generate
+        from gpt2_window.sample import main as generate
 
         def cli(argv):
             from memfit.errors import run_command

@@ -148,7 +148,7 @@ def train_reference(data_path: Path, seed: int, iterations: int = 2000) -> float
 
 def ours_val_loss(data: Path, runs_dir: str, model: str, seed: int) -> float:
     """gpt2-window's trainer on NANOGPT_CPU (fp32) with the given preset; the 200-batch val loss."""
-    from gpt2_window.eval import run as eval_run
+    from gpt2_window.eval import main as eval_run
     from gpt2_window.train import run as train_run
 
     name = f"side-{model}-seed{seed}"
@@ -186,7 +186,7 @@ def side_by_side(data: Path, runs_dir: str, seeds: list[int]) -> dict:
 
 
 def bench_quality(data: Path, runs_dir: str, amp: str, model: str, seed: int) -> None:
-    from gpt2_window.eval import run as eval_run
+    from gpt2_window.eval import main as eval_run
     from gpt2_window.train import run as train_run
 
     if not data.exists():

@@ -42,21 +42,32 @@ def test_pick_system_rules(monkeypatch):
     assert bare.pick_system([]) == ("alpha", [])
 
 
-def test_the_uv_package_is_read_from_the_parent_process_command_line(monkeypatch, tmp_path):
+@pytest.mark.parametrize("through", ["/proc", "ps"])
+def test_the_uv_package_is_read_from_the_parent_process_command_line(tmp_path, through):
     """uv passes the --package to nobody: it is read from the parent's argv, on Linux from /proc, and
-    elsewhere (no /proc) from `ps`. A process started by `uv run --package beta` finds beta either way."""
+    elsewhere (no /proc, as on macOS) from `ps`. A process started by `uv run --package beta` finds beta."""
     import sys
 
+    if through == "ps" and shutil.which("ps") is None:
+        pytest.skip("no ps on this machine")
+    if through == "/proc" and not Path("/proc/self/cmdline").exists():
+        pytest.skip("no /proc on this machine")
     fake_uv = tmp_path / "uv"  # a parent process whose argv reads `uv -c ... run --package beta train`
     fake_uv.symlink_to(sys.executable)
-    child = [sys.executable, "-c", "from memfit import bare; print(bare.uv_run_package())"]
+    hide_proc = "bare.Path = lambda *a: Path('/no/proc/here') if a == ('/proc',) else Path(*a); "
+    code = "from pathlib import Path; from memfit import bare; " + (hide_proc if through == "ps" else "")
+    child = [sys.executable, "-c", code + "print(bare.uv_run_package())"]
     spawn = f"import subprocess; subprocess.run({child!r})"
     cases = ((["--package", "beta", "train"], "beta"), (["--package=gamma"], "gamma"), ([], "None"))
     for words, found in cases:
         done = subprocess.run([str(fake_uv), "-c", spawn, "run", *words], capture_output=True, text=True)
         assert done.stdout.strip() == found, done.stderr
-    monkeypatch.setattr(bare, "Path", lambda *a: Path("/no/proc/here") if a == ("/proc",) else Path(*a))
-    assert bare._parent_and_argv(os.getpid())[0] == os.getppid()  # through `ps`, as on macOS
+
+
+def test_a_memfit_system_that_names_no_system_is_one_line(monkeypatch):
+    monkeypatch.setenv("MEMFIT_SYSTEM", "gpt2-windo")
+    with pytest.raises(UsageError, match="MEMFIT_SYSTEM=gpt2-windo is not an installed system"):
+        bare.pick_system(["--help"])
 
 
 @needs_uv

@@ -182,13 +182,13 @@ def test_a_switch_is_spelled_with_underscores_and_the_older_hyphen_still_works()
     assert "also --no-remix, the older spelling" in " ".join(text.split())
 
 
-def test_summary_of_reads_a_docstring_without_importing_the_module():
+def test_summary_of_reads_a_docstring_without_importing_the_module(monkeypatch):
     """A command's torch-free flags describe it with the first line of the module that does the work."""
     import sys
 
     from memfit.train.flags import summary_of
 
-    sys.modules.pop("memfit.estimate.timeline", None)
+    monkeypatch.delitem(sys.modules, "memfit.estimate.timeline", raising=False)
     line = summary_of("memfit.estimate.timeline")
     assert "memfit.estimate.timeline" not in sys.modules
     from memfit.estimate import timeline

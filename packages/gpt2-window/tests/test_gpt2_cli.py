@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from gpt2_window.eval import run as eval_run
-from gpt2_window.sample import run as generate_run
+from gpt2_window.eval import main as eval_run
+from gpt2_window.sample import main as generate_run
 from gpt2_window.train import run as train_run
 from memfit.errors import UsageError
 

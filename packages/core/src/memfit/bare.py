@@ -6,10 +6,10 @@ systems that both declared ``train`` would overwrite each other (the last instal
 declares ``train`` and ``eval`` alone and picks the system, in this order:
 
 1. ``--system S`` on the command line, or ``MEMFIT_SYSTEM=S`` in the environment;
-2. the ``--package S`` of the ``uv run`` that started this process. uv passes nothing of it to the
+2. the only installed system;
+3. the ``--package S`` of the ``uv run`` that started this process. uv passes nothing of it to the
    command (it sets only ``UV``, ``UV_RUN_RECURSION_DEPTH`` and ``VIRTUAL_ENV``), so it is read from the
-   parent process's command line: ``/proc`` on Linux, ``ps`` elsewhere (macOS, the BSDs);
-3. the only installed system;
+   parent process's command line: ``/proc`` on Linux, ``ps`` elsewhere (macOS, the BSDs); not on Windows;
 4. else one line naming the choices and how to say which.
 """
 
@@ -26,21 +26,23 @@ from memfit.system import available_systems, load_system
 
 def _parent_and_argv(pid: int) -> tuple[int, list[str]] | None:
     """(parent pid, that parent's argv) of process ``pid``; None where the system will not say."""
-    proc = Path("/proc")
-    try:
-        if proc.is_dir():
-            status = (proc / str(pid) / "status").read_text()
-            ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-            argv = (proc / str(ppid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
-            return ppid, argv
-        if os.name != "posix":
-            return None
-        ask = ["ps", "-o", "ppid=", "-p", str(pid)]
-        ppid = int(subprocess.run(ask, capture_output=True, text=True, timeout=5, check=True).stdout)
-        ask = ["ps", "-o", "args=", "-p", str(ppid)]  # words split on spaces: enough for `--package NAME`
-        argv = subprocess.run(ask, capture_output=True, text=True, timeout=5, check=True).stdout.split()
+    proc = Path("/proc") / str(pid)
+    try:  # Linux: /proc/PID/status and the parent's NUL-separated cmdline
+        status = (proc / "status").read_text()
+        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        argv = (Path("/proc") / str(ppid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
         return ppid, argv
-    except (OSError, StopIteration, ValueError, subprocess.SubprocessError):
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass  # no /proc, or another system's (FreeBSD's, illumos'): ask ps
+    if os.name != "posix":
+        return None
+    try:  # one ps per process; -ww: never cut to $COLUMNS. Its words split on spaces: enough for --package
+        ask = ["ps", "-ww", "-o", "ppid=", "-p", str(pid)]
+        ppid = int(subprocess.run(ask, capture_output=True, text=True, timeout=2, check=True).stdout)
+        ask = ["ps", "-ww", "-o", "args=", "-p", str(ppid)]
+        argv = subprocess.run(ask, capture_output=True, text=True, timeout=2, check=True).stdout.split()
+        return ppid, argv
+    except (OSError, ValueError, subprocess.SubprocessError):
         return None
 
 
@@ -52,14 +54,14 @@ def uv_run_package(max_depth: int = 4) -> str | None:
         if found is None:
             return None
         pid, argv = found
-        if pid <= 1:
-            return None
         if argv and Path(argv[0]).name.startswith("uv") and "run" in argv:
             for i, arg in enumerate(argv):
                 if arg == "--package" and i + 1 < len(argv):
                     return argv[i + 1]
                 if arg.startswith("--package="):
                     return arg.split("=", 1)[1]
+            return None
+        if pid <= 1:  # init (or a container's first process, looked at above): no parent left
             return None
     return None
 
@@ -81,11 +83,15 @@ def pick_system(argv: list[str]) -> tuple[str, list[str]]:
                 del rest[i : i + 2]
             break
     else:
-        name = os.environ.get("MEMFIT_SYSTEM") or uv_run_package()
-        if name is not None and name not in systems:
-            name = None  # `uv run --package memfit-core train`: a package, but not a system
-        if name is None and len(systems) == 1:
+        name = os.environ.get("MEMFIT_SYSTEM")
+        if name and name not in systems:
+            raise UsageError(f"error: MEMFIT_SYSTEM={name} is not an installed system; installed: {choices}")
+        if not name and len(systems) == 1:  # what the parent uv run names can only be this system
             name = next(iter(systems))
+        elif not name:
+            name = uv_run_package()
+            if name is not None and name not in systems:
+                name = None  # `uv run --package memfit-core train`: a package, but not a system
     if name is None:
         raise UsageError(
             "error: which system? Several are installed; say `memfit train <system>` (or `memfit eval`), "

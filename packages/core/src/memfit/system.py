@@ -12,6 +12,7 @@ See docs/adding-a-system.md for the checklist.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memfit.errors import ModelFileError, ModelFileMissing, UsageError, console, first_line
+from memfit.errors import ModelFileError, ModelFileMissing, UsageError, console, exit_at_once, first_line
 
 if TYPE_CHECKING:  # torch and the estimator load on first use: `memfit systems` and `--help` stay fast
     from memfit.estimate.tracker import MemoryReport
@@ -97,10 +98,19 @@ def parse_then_run(parse: Command | str, run: Callable[[Any], Any] | str) -> Com
     each may be its "package.module:function" path. `--help` and a refused flag then answer in a fraction
     of a second instead of after torch's import (tests/test_cli_speed.py)."""
 
-    def command(argv: list[str] | None = None) -> object:
-        args = _resolve(parse)(argv)
-        return _resolve(run)(args)
+    def load() -> tuple[Callable[..., Any], Callable[[Any], Any]]:
+        """Both halves, imported now (the work's import under exit_at_once: a Ctrl-C during torch's
+        import is one line, as for every command's start-up)."""
+        read = _resolve(parse)
+        with exit_at_once(os.path.basename(sys.argv[0]) or "memfit"):
+            work = _resolve(run)
+        return read, work
 
+    def command(argv: list[str] | None = None) -> object:
+        args = _resolve(parse)(argv)  # --help and a refused flag end here, before the work is imported
+        return load()[1](args)
+
+    command.load = load  # type: ignore[attr-defined]  # (tests import every command before they patch torch)
     return command
 
 

@@ -61,18 +61,19 @@ def load_model(run: str | Path | None, device: torch.device, runs_dir: str = "ru
     )
 
 
-def run(argv: list[str] | None = None) -> dict | list[str]:
-    """main() returning its results (for tests and scripts)."""
-    return evaluate(eval_args(argv))
+def main(argv: list[str] | None = None) -> dict | list[str]:
+    """`gpt2-eval` with these flags (None: sys.argv[1:]); returns its results (the samples for
+    `gpt2-eval generate ...`)."""
+    return run(eval_args(argv))
 
 
-def evaluate(args: argparse.Namespace) -> dict | list[str]:
+def run(args: argparse.Namespace) -> dict | list[str]:
     """The work of `gpt2-eval` on the flags gpt2_window.flags.eval_args read (it imports torch); those of
     `gpt2-eval generate` sample text instead (gpt2_window.sample)."""
     if args.command == "generate":
-        from gpt2_window.sample import sample_texts
+        from gpt2_window.sample import run as sample
 
-        return sample_texts(args)
+        return sample(args)
     apply_threads(args)
     device = resolve_device(args.device)
     run_path = resolve_run(args.run, "gpt2-window", args.runs_dir)
@@ -116,11 +117,6 @@ def evaluate(args: argparse.Namespace) -> dict | list[str]:
             f"({result['tokens']:,} tokens of {data.source})"
         )
     return result
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point (returns None so the exit status is 0)."""
-    run(argv)
 
 
 if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias

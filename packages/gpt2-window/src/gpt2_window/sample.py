@@ -14,12 +14,12 @@ from gpt2_window.api import samples
 from gpt2_window.flags import generate_args
 
 
-def run(argv: list[str] | None = None) -> list[str]:
-    """main() returning its results (for tests and scripts)."""
-    return sample_texts(generate_args(argv))
+def main(argv: list[str] | None = None) -> list[str]:
+    """`generate` with these flags (None: sys.argv[1:]); prints the samples and returns them."""
+    return run(generate_args(argv))
 
 
-def sample_texts(args: argparse.Namespace) -> list[str]:
+def run(args: argparse.Namespace) -> list[str]:
     """The work of `generate` on the flags gpt2_window.flags.generate_args read: prints the samples and
     returns them."""
     apply_threads(args)
@@ -37,11 +37,6 @@ def sample_texts(args: argparse.Namespace) -> list[str]:
             print(f"---------- sample {i} ----------")
         print(t)
     return texts
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Console entry point (returns None so the exit status is 0)."""
-    run(argv)
 
 
 if __name__ == "__main__":  # `python -m` / torchrun: the same exit statuses as the console alias

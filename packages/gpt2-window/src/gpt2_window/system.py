@@ -91,11 +91,9 @@ SYSTEM = System(
     summary="GPT-2 with sliding-window attention that never costs more memory than causal (124M parameters "
     "at paper size)",
     train="gpt2_window.train:main",
-    eval=parse_then_run("gpt2_window.flags:eval_args", "gpt2_window.eval:evaluate"),
+    eval=parse_then_run("gpt2_window.flags:eval_args", "gpt2_window.eval:run"),
     budgets=budget_entries,
-    extra_commands={
-        "generate": parse_then_run("gpt2_window.flags:generate_args", "gpt2_window.sample:sample_texts")
-    },
+    extra_commands={"generate": parse_then_run("gpt2_window.flags:generate_args", "gpt2_window.sample:run")},
     config_cls=GPTConfig,
     build_model="gpt2_window.model:GPT",
     tags=("text-generation", "gpt2", "sliding-window-attention"),

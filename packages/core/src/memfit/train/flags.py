@@ -62,10 +62,21 @@ class Parser(argparse.ArgumentParser):
                 self.error(f"{' and '.join(names.values())} both set {dest}; give one of them")
 
 
+def thread_count(text: str) -> int:
+    """--threads' type: a whole number >= 1, refused while the flags are read (before torch's import)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"needs a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
 def add_threads_arg(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     parser.add_argument(
         "--threads",
-        type=int,
+        type=thread_count,
         default=None,
         help="CPU threads (torch, BLAS); default: torch's own choice, all cores",
     )
