@@ -24,36 +24,34 @@ from memfit.errors import UsageError, run_command
 from memfit.system import available_systems, load_system
 
 
-def _parent_and_argv(pid: int) -> tuple[int, list[str]] | None:
-    """(parent pid, that parent's argv) of process ``pid``; None where the system will not say."""
+def _process(pid: int) -> tuple[int, list[str]] | None:
+    """(its parent's pid, its argv) of process ``pid``; None where the system will not say."""
     proc = Path("/proc") / str(pid)
-    try:  # Linux: /proc/PID/status and the parent's NUL-separated cmdline
+    try:  # Linux: /proc/PID/status and its NUL-separated cmdline
         status = (proc / "status").read_text()
         ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-        argv = (Path("/proc") / str(ppid) / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        return ppid, argv
+        return ppid, (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
     except (OSError, StopIteration, ValueError, IndexError):
         pass  # no /proc, or another system's (FreeBSD's, illumos'): ask ps
     if os.name != "posix":
         return None
     try:  # one ps per process; -ww: never cut to $COLUMNS. Its words split on spaces: enough for --package
-        ask = ["ps", "-ww", "-o", "ppid=", "-p", str(pid)]
-        ppid = int(subprocess.run(ask, capture_output=True, text=True, timeout=2, check=True).stdout)
-        ask = ["ps", "-ww", "-o", "args=", "-p", str(ppid)]
-        argv = subprocess.run(ask, capture_output=True, text=True, timeout=2, check=True).stdout.split()
-        return ppid, argv
+        ask = ["ps", "-ww", "-o", "ppid=,args=", "-p", str(pid)]
+        said = subprocess.run(ask, capture_output=True, text=True, timeout=2, check=True).stdout
+        ppid, *argv = said.split()
+        return int(ppid), argv
     except (OSError, ValueError, subprocess.SubprocessError):
         return None
 
 
 def uv_run_package(max_depth: int = 4) -> str | None:
     """The S of the nearest ancestor `uv run --package S ...` (within ``max_depth`` parents), or None."""
-    pid = os.getpid()
+    pid = os.getppid()
     for _ in range(max_depth):
-        found = _parent_and_argv(pid)
+        found = _process(pid)
         if found is None:
             return None
-        pid, argv = found
+        ppid, argv = found
         if argv and Path(argv[0]).name.startswith("uv") and "run" in argv:
             for i, arg in enumerate(argv):
                 if arg == "--package" and i + 1 < len(argv):
@@ -63,6 +61,7 @@ def uv_run_package(max_depth: int = 4) -> str | None:
             return None
         if pid <= 1:  # init (or a container's first process, looked at above): no parent left
             return None
+        pid = ppid
     return None
 
 

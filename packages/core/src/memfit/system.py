@@ -98,19 +98,18 @@ def parse_then_run(parse: Command | str, run: Callable[[Any], Any] | str) -> Com
     each may be its "package.module:function" path. `--help` and a refused flag then answer in a fraction
     of a second instead of after torch's import (tests/test_cli_speed.py)."""
 
-    def load() -> tuple[Callable[..., Any], Callable[[Any], Any]]:
-        """Both halves, imported now (the work's import under exit_at_once: a Ctrl-C during torch's
-        import is one line, as for every command's start-up)."""
-        read = _resolve(parse)
+    def work() -> Callable[[Any], Any]:
+        """The work's function, imported under exit_at_once: a Ctrl-C during torch's import is one line, as
+        for every command's start-up."""
         with exit_at_once(os.path.basename(sys.argv[0]) or "memfit"):
-            work = _resolve(run)
-        return read, work
+            return _resolve(run)
 
     def command(argv: list[str] | None = None) -> object:
         args = _resolve(parse)(argv)  # --help and a refused flag end here, before the work is imported
-        return load()[1](args)
+        return work()(args)
 
-    command.load = load  # type: ignore[attr-defined]  # (tests import every command before they patch torch)
+    # both halves imported now (tests import every command before they patch torch)
+    command.load = lambda: (_resolve(parse), work())  # type: ignore[attr-defined]
     return command
 
 

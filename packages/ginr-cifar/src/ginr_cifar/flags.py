@@ -12,8 +12,7 @@ from ginr_cifar.config import SPLITS, default_cache_dir
 
 
 def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """`ginr-eval`'s flags (argv None: sys.argv[1:]), their numbers checked (--threads is checked where it
-    is applied, in ginr_cifar.eval.run)."""
+    """`ginr-eval`'s flags (argv None: sys.argv[1:]), their numbers checked."""
     p = Parser(description=summary_of("ginr_cifar.eval"))
     p.add_argument("--data", default=None, help="dataset (default: the one the run trained on)")
     p.add_argument(

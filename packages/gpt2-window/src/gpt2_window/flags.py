@@ -14,9 +14,8 @@ from gpt2_window.config import MIN_TEMPERATURE
 
 
 def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """`gpt2-eval`'s flags (argv None: sys.argv[1:]), their numbers checked (--threads is checked where it
-    is applied, in the run); `gpt2-eval generate ...` reads generate's flags instead. args.command says
-    which ("eval" or "generate")."""
+    """`gpt2-eval`'s flags (argv None: sys.argv[1:]), their numbers checked; `gpt2-eval generate ...` reads
+    generate's flags instead. args.command says which ("eval" or "generate")."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["generate"]:
         return generate_args(argv[1:])

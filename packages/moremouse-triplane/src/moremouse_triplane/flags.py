@@ -13,8 +13,7 @@ from moremouse_triplane.config import SPLIT_IDS
 
 
 def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """`mouse-eval`'s flags (argv None: sys.argv[1:]), their numbers checked (--threads is checked where it
-    is applied, in moremouse_triplane.eval.run)."""
+    """`mouse-eval`'s flags (argv None: sys.argv[1:]), their numbers checked."""
     # eval.py's whole docstring is the --help text
     help_text = summary_of("moremouse_triplane.eval", whole=True)
     p = Parser(description=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -429,6 +429,7 @@ class TrainParser:
         self.expand: set[str] = set()  # dests whose value is a {field: value} dict under the path
         self.flag_names: dict[str, str] = {}  # settings path -> the flag's name (for messages)
         self.dest_flags: dict[str, str] = {}  # argparse dest -> the flag's name (for messages)
+        self.given_names: dict[str, str] = {}  # settings path -> the spelling typed on this command line
         self._help_presets: dict[str, Settings] | None = None
         g = self.group("run (memfit)")
         choices = ", ".join(["auto", *presets] if auto else presets)
@@ -584,7 +585,7 @@ class TrainParser:
         while head not in self.flag_names and "." in head:
             head, _, last = head.rpartition(".")
             rest = f"{last} {rest}".strip()
-        name = getattr(self, "given_names", {}).get(head) or self.flag_names.get(head, head)
+        name = self.given_names.get(head) or self.flag_names.get(head, head)
         return f"{name} {rest}".strip()
 
     def _apply(self, tree: Settings, changes: dict[str, Any], source: str) -> Settings:
@@ -609,7 +610,7 @@ class TrainParser:
         for path, names in set_by.items():
             if len(names) > 1:  # two spellings of one setting (--steps and the seed's --num_iterations)
                 raise UsageError(f"error: {' and '.join(names)} both set {path}; give one of them")
-        self.given_names = {path: names[0] for path, names in set_by.items()}  # errors name what was typed
+        self.given_names = {path: names[0] for path, names in set_by.items()}
         flags: dict[str, Any] = {}
         for dest, path in self.paths.items():
             if hasattr(args, dest):
