@@ -20,6 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (README's `-n 2`) each worker takes its share of the cores, for its own ops and for the
+# processes its tests start: two workers of two threads each on two cores run 4-5x slower, not twice as fast.
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    _share = max(1, _cores // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    torch.set_num_threads(_share)
+
 
 def missing_kernels(names: tuple[str, ...]) -> list[str]:
     """Why each kernel of the cuda extra among `names` (all of them when empty) cannot run on this GPU."""
@@ -58,3 +66,15 @@ def pytest_runtest_setup(item):
                 pytrace=False,
             )
     return (yield)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` hands each worker whole files (xdist's loadfile, in place of its default "load"): a file's
+    module fixtures (trained runs, exported models, traced estimates) are built once, not once per worker.
+    Any other `--dist` mode is left as given."""
+    if config.getoption("dist") == "load":
+        from xdist.scheduler import LoadFileScheduling
+
+        return LoadFileScheduling(config, log)
+    return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
-import importlib
+import importlib.util
 import os
 import re
 import runpy
@@ -203,6 +203,10 @@ def check_pytest(where: str, args: list[str]) -> None:
             marker = next(it)
         elif arg == "-k":
             keyword = next(it)
+        elif arg == "-n":  # pytest-xdist's worker count
+            n = next(it)
+            assert n == "auto" or n.isdigit() and int(n) > 0, f"{where}: pytest -n {n} is not a worker count"
+            assert importlib.util.find_spec("xdist"), f"{where}: pytest -n needs pytest-xdist (the dev group)"
         elif arg.startswith("-"):
             assert arg in ("-s", "-q", "-x", "-v", "-ra"), f"{where}: pytest flag {arg} is not checked here"
         else:
@@ -326,7 +330,7 @@ def run_module(where: str, words: list[str], module: str, args: list[str], monke
 def test_the_docs_show_commands():
     readme = [w for where, w in COMMANDS if where.startswith("README.md")]
     assert len(readme) >= 20, readme
-    assert ["uv", "run", "pytest"] in readme
+    assert ["uv", "run", "pytest", "-n", "2"] in readme
 
 
 @pytest.mark.parametrize(
