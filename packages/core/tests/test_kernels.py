@@ -324,11 +324,18 @@ def torch_op_scan_peak(monkeypatch):
     return _cuda_peak(entry.step, frozenset())
 
 
-def test_no_cuda_kernels_estimates_the_torch_op_path_and_the_default_the_extra(torch_op_scan_peak, capsys):
+def test_no_cuda_kernels_estimates_the_torch_op_path_and_the_default_the_extra(
+    torch_op_scan_peak, capsys, monkeypatch
+):
+    import dataclasses
+
     from memfit import cli
 
     assert not torch.cuda.is_available()  # the default below is the one for a machine without a GPU
     entry = _mbsnet_chunked_200f()
+    # the command over this one row (the paper-size seed baseline's trace alone took half the test's time)
+    system = dataclasses.replace(cli.load_system("mbsnet-speech"), budgets=lambda: [entry])
+    monkeypatch.setattr(cli, "load_system", lambda name: system)
     default, without = _cuda_peak(entry.step), _cuda_peak(entry.step, frozenset())
     assert without == torch_op_scan_peak
     # the allocator peaks: the tensors (0.431 and 1.012 GiB as the trace sums them), the caching
