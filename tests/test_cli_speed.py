@@ -38,7 +38,7 @@ print(json.dumps({"code": code, "torch": "torch" in sys.modules, "cpu_s": use.ru
 def run_cli(*argv: str) -> dict:
     done = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
+    return {**json.loads(done.stdout.splitlines()[-1]), "err": done.stderr}
 
 
 @pytest.mark.parametrize(
@@ -51,6 +51,16 @@ def test_first_commands_answer_without_torch(argv):
     assert r["code"] == 0 and r["out"].strip()
     assert not r["torch"], f"memfit {' '.join(argv)} imported torch"
     assert r["cpu_s"] <= CPU_LIMIT_S, f"memfit {' '.join(argv)} used {r['cpu_s']:.2f} s of CPU"
+
+
+@pytest.mark.parametrize("system", sorted(ALIASES))
+def test_a_number_no_preset_takes_is_one_line_without_torch(system):
+    """`train S --lr 0`: every preset refuses it, so it is refused before torch is imported
+    (memfit.train.settings.TrainParser); the line names the flag and the range."""
+    r = run_cli("train", system, "--lr", "0")
+    assert r["code"] == 2 and r["err"].splitlines() == [f"{system} train: error: --lr must be > 0, got 0"], r
+    assert not r["torch"], f"memfit train {system} --lr 0 imported torch"
+    assert r["cpu_s"] <= CPU_LIMIT_S, f"memfit train {system} --lr 0 used {r['cpu_s']:.2f} s of CPU"
 
 
 def _system_commands() -> list[list[str]]:

@@ -132,6 +132,61 @@ def test_bad_flags_are_one_line(argv, says):
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
+@dataclass(frozen=True)
+class Capped:
+    width: int = 16
+    cap: int = 32
+
+    def __post_init__(self) -> None:
+        if self.width > self.cap:
+            raise ValueError(f"width must be <= {self.cap} here, got {self.width}")
+
+
+def test_flags_every_preset_refuses_are_refused_before_the_device_is_resolved(monkeypatch):
+    """`--lr 0` is refused before memfit.train.distributed (torch) resolves the device, in the line the
+    full parse prints; a flag that some preset the run could start from accepts (the GPU preset's wider
+    cap) waits for the device, which picks the preset."""
+    from memfit.train import distributed
+
+    presets = {
+        "gpu": lambda d: Settings(Capped(cap=64 if d.type == "cuda" else 32), Recipe(), LoopConfig(steps=5)),
+        "cpu": Settings(Capped(), Recipe(), LoopConfig(steps=5)),
+    }
+
+    def capped() -> TrainParser:
+        p = TrainParser("toy", "a toy", presets, auto=("gpu", "cpu"))
+        g = p.group("toy")
+        p.flag(g, "--width", path="model.width", help="width")
+        p.flag(g, "--lr", path="train.lr", help="learning rate")
+        return p
+
+    lines = {}
+    for flag in ("--lr 0", "--width 48"):  # on the CPU both are refused, by every preset or by the one picked
+        with pytest.raises(UsageError) as e:
+            capped().parse([*flag.split(), "--device", "cpu"])
+        lines[flag] = str(e.value)
+    assert lines == {
+        "--lr 0": "error: --lr must be > 0, got 0",
+        "--width 48": "error: --width must be <= 32 here, got 48",
+    }
+
+    def no_device(*args, **kwargs):
+        raise AssertionError("the device was resolved")
+
+    parsers = [capped() for _ in range(5)]  # built first: --help's defaults ask torch for the device
+    monkeypatch.setattr(distributed, "resolve_device", no_device)
+    for config in ("auto", "cpu"):
+        with pytest.raises(UsageError) as e:
+            parsers.pop().parse(["--config", config, "--lr", "0", "--device", "cpu"])
+        assert str(e.value) == lines["--lr 0"]
+    with pytest.raises(UsageError, match="width must be <= 32 here"):  # both kinds of device refuse it
+        parsers.pop().parse(["--config", "cpu", "--width", "48"])
+    with pytest.raises(AssertionError, match="the device was resolved"):  # the GPU preset would take it
+        parsers.pop().parse(["--width", "48", "--device", "cpu"])
+    with pytest.raises(AssertionError, match="the device was resolved"):  # --resume reads the run's file
+        parsers.pop().parse(["--resume", "--lr", "0"])
+
+
 def test_config_file_sits_between_the_preset_and_the_flags(tmp_path):
     run = parser().parse(["--config", "big", "--lr", "0.02", "--run_name", "a", "--runs_dir", str(tmp_path)])
     write_run_config(tmp_path, "toy", run.preset, run.settings.model, run.settings)
