@@ -134,11 +134,31 @@ def test_largest_batch_search_is_exact():
         calls.append(b)
         return 0.5 + 0.1 * b  # GiB
 
-    b, gib, nxt, probes = largest_batch(peak, 24.0)
-    assert b == 235 and gib == pytest.approx(24.0) and nxt == pytest.approx(24.1)
+    b, gib, nxt, probes, first = largest_batch(peak, 24.0)
+    assert b == 235 and gib == pytest.approx(24.0) and nxt == pytest.approx(24.1) and first == 1
     assert probes == len(set(calls)) <= 20
     assert largest_batch(peak, 0.55)[0] == 0  # not even batch 1
-    assert largest_batch(peak, 1e9, max_batch=100)[:1] == (100,)
+    assert largest_batch(peak, 1e9, max_batch=100)[:3] == (100, pytest.approx(10.5), None)  # the cap
+
+
+def test_largest_batch_searches_from_two_when_batch_one_cannot_train():
+    """BatchNorm over one value per channel raises at batch 1 only: the search starts at 2; a step that
+    fails at 2 as well keeps batch 1's error."""
+    from memfit.estimate.fit import largest_batch
+
+    def peak(b):
+        if b == 1:
+            raise ValueError("Expected more than 1 value per channel when training")
+        return 0.5 + 0.1 * b
+
+    assert largest_batch(peak, 24.0)[0::4] == (235, 2)
+    assert largest_batch(peak, 0.6)[:1] == (0,)  # batch 2 needs 0.7
+
+    def broken(b):
+        raise ValueError(f"broken at {b}")
+
+    with pytest.raises(ValueError, match="broken at 1"):
+        largest_batch(broken, 24.0)
 
 
 def test_memfit_run_reaches_extra_commands(capsys):

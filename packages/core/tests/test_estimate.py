@@ -5,6 +5,7 @@ packages), so the tool has to find the culprit itself.
 """
 
 import bisect
+import json
 import textwrap
 
 import pytest
@@ -354,6 +355,39 @@ def test_cli_estimate_trainstep_file_with_a_batch_knob(tmp_path, capsys):
     code, out, err = _run(capsys, f"{f}:step", "--gpu_gib", "1", "--margin", "0.2")
     assert code == 0, err
     assert "Largest batch that fits a 1 GiB GPU (20% margin: 0.80 GiB usable for the card total)" in out
+
+
+def test_cli_estimate_batch_search_past_batchnorm_and_at_its_cap(tmp_path, capsys):
+    """A BatchNorm model whose last feature map is 1x1 (a ResNet on 32x32 images) cannot train at batch 1:
+    --gpu_gib and the what-ifs search from batch 2; a search that reaches --max_batch says the largest
+    batch is at least that."""
+    f = tmp_path / "bn.py"
+    f.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from memfit.step import TrainStep
+
+            def step(batch: int = 8):
+                return TrainStep(
+                    build_model=lambda: torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.BatchNorm1d(8)),
+                    make_batch=lambda d: torch.randn(batch, 64, device=d),
+                    loss=lambda m, x: m(x).pow(2).mean(),
+                    amp_dtype=None,
+                )
+            """
+        )
+    )
+    code, out, err = _run(capsys, f"{f}:step", "--device", "cpu", "--gpu_gib", "1", "--max_batch", "64")
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("Largest batch"))
+    assert ": at least 64 (" in line and "--max_batch stops the search there" in line, out
+    assert "batch 1 cannot train, so the search started at 2" in line, out
+    code, out, err = _run(
+        capsys, f"{f}:step", "--device", "cpu", "--gpu_gib", "1", "--max_batch", "64", "--json"
+    )
+    fit = json.loads(out)["fit"]
+    assert code == 0 and (fit["batch"], fit["capped"], fit["smallest"]) == (64, True, 2), fit
 
 
 BAD = [

@@ -67,8 +67,8 @@ def _estimate_command(args) -> int:
     if fit is not None and fit.batch == 0:
         needs = "of the card (reserved + CUDA context)" if fit.cuda else "per rank"
         raise UsageError(
-            f"error: nothing fits {args.gpu_gib:g} GiB ({100 * margin:g}% margin): batch 1 needs "
-            f"{fmt_bytes(fit.peak_bytes)} {needs}; try --explain for what would shrink it"
+            f"error: nothing fits {args.gpu_gib:g} GiB ({100 * margin:g}% margin): batch {fit.smallest} "
+            f"needs {fmt_bytes(fit.peak_bytes)} {needs}; try --explain for what would shrink it"
         )
     if args.timeline:
         result.timeline(args.timeline)

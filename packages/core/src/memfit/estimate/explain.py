@@ -540,14 +540,21 @@ class BatchFit:
     margin: float
     ranks: int
     shard: str
-    batch: int
-    peak_bytes: int  # what one rank needs at `batch` (at batch 1 when nothing fits): a CUDA card total
-    next_bytes: int | None
+    batch: int  # 0 when not even the smallest batch fits
+    peak_bytes: int  # what one rank needs at `batch` (at `smallest` when nothing fits): a CUDA card total
+    next_bytes: int | None  # at the first batch that does not fit; None: the search's cap (max_batch) fits
     probes: int
     cuda: bool = False  # the figures are a CUDA estimate's card totals
+    smallest: int = 1  # the smallest batch searched: 2 where the step cannot train at 1 (BatchNorm)
+
+    @property
+    def capped(self) -> bool:
+        """The search stopped at its cap (``max_batch``), which fits: the largest batch is at least this."""
+        return self.batch > 0 and self.next_bytes is None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        out["capped"] = self.capped
         out["peak_gib_per_rank"] = out.pop("peak_bytes") / GIB
         nxt = out.pop("next_bytes")
         out["next_gib_per_rank"] = None if nxt is None else nxt / GIB
@@ -561,11 +568,15 @@ class BatchFit:
         )
         if self.ranks > 1:
             where += f" x {self.ranks} ranks ({self.shard}, per rank)"
-        nxt = ""
+        parts = [f"{what} {fmt_bytes(self.peak_bytes)}" if self.cuda else fmt_bytes(self.peak_bytes)]
         if self.next_bytes is not None:
-            nxt = f"; batch {self.batch + 1} needs {fmt_bytes(self.next_bytes)}"
-        needs = f"{what} {fmt_bytes(self.peak_bytes)}" if self.cuda else fmt_bytes(self.peak_bytes)
-        return f"Largest batch that fits a {where}: {self.batch} ({needs}{nxt})"
+            parts.append(f"batch {self.batch + 1} needs {fmt_bytes(self.next_bytes)}")
+        if self.capped:
+            parts.append("--max_batch stops the search there")
+        if self.smallest > 1:
+            parts.append(f"batch 1 cannot train, so the search started at {self.smallest}")
+        batch = f"at least {self.batch}" if self.capped else self.batch
+        return f"Largest batch that fits a {where}: {batch} ({'; '.join(parts)})"
 
 
 def rank_needs(trace: Trace, ranks: int, shard: str, gather: int = 0, device: str = "cuda") -> int:
@@ -602,10 +613,10 @@ def fit_batch(
         t = base_trace if (b == base_b and base_trace is not None) else trace_target(target, batch=b)
         return rank_needs(t, ranks, shard, gather, device) / GIB
 
-    b, gib, nxt, probes = largest_batch(needs_gib, usable_bytes(gpu_gib, margin), max_batch)
+    b, gib, nxt, probes, first = largest_batch(needs_gib, usable_bytes(gpu_gib, margin), max_batch)
     nxt_bytes = None if nxt is None else round(nxt * GIB)
     cuda = target.device == "cuda"
-    return BatchFit(gpu_gib, margin, ranks, shard, b, round(gib * GIB), nxt_bytes, probes, cuda)
+    return BatchFit(gpu_gib, margin, ranks, shard, b, round(gib * GIB), nxt_bytes, probes, cuda, first)
 
 
 @dataclass
@@ -617,6 +628,7 @@ class Fits:
     needed_bytes: int
     usable_bytes: int
     batch: int | None  # the largest batch that fits (None: the step has no batch knob)
+    capped: bool = False  # `batch` is the search's cap (max_batch), which fits: the largest is at least it
 
     @property
     def fits(self) -> bool:
@@ -629,10 +641,13 @@ class Fits:
             "needed_gib": self.needed_bytes / GIB,
             "usable_gib": self.usable_bytes / GIB,
             "largest_batch": self.batch,
+            "largest_batch_capped": self.capped,
         }
 
     def format(self) -> str:
         batch = f"largest batch {self.batch}" if self.batch is not None else "no batch knob to grow"
+        if self.capped:
+            batch = f"largest batch at least {self.batch}, where --max_batch stops the search"
         return (
             f"fits; {batch} (needs {fmt_bytes(self.needed_bytes)} of {fmt_bytes(self.usable_bytes)} "
             f"usable on {self.where})"
@@ -660,4 +675,4 @@ def check_fits(
                 target, capacity / GIB, margin, max_batch=max_batch, base_trace=trace, device=device
             )
         batch = fit.batch
-    return Fits(where, needed, usable, batch)
+    return Fits(where, needed, usable, batch, fit is not None and fit.capped)

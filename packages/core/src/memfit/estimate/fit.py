@@ -77,7 +77,10 @@ def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch:
     The peak of a training step is close to linear in the batch, so each probe is the batch where the line
     through the two nearest probes crosses the limit (a few estimates when it is linear), with a doubling
     or bisection step whenever two probes in a row land on the same side (never more than about
-    2·log2(b) estimates). Returns (b, gib at b, gib at b + 1 or None when max_batch fits, estimates).
+    2·log2(b) estimates). A step that cannot train at batch 1 but can at 2 (BatchNorm needs two values per
+    channel: a ResNet's 1x1 last feature map at batch 1 has one) is searched from 2; when batch 2 fails
+    too, batch 1's error stands. Returns (b, gib at b, gib at the next batch or None when max_batch fits,
+    estimates, the smallest batch searched); b is 0 when not even the smallest batch fits.
     """
     cache: dict[int, float] = {}
 
@@ -86,9 +89,20 @@ def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch:
             cache[b] = peak_gib(b)
         return cache[b]
 
-    if peak(1) > limit_gib:
-        return 0, cache[1], cache[1], len(cache)
-    lo, hi = 1, None  # lo fits; hi (when known) does not
+    first = 1
+    try:
+        peak(1)
+    except Exception as one:
+        if max_batch < 2:
+            raise
+        try:
+            peak(2)
+        except Exception:
+            raise one from None
+        first = 2
+    if cache[first] > limit_gib:
+        return 0, cache[first], cache[first], len(cache), first
+    lo, hi = first, None  # lo fits; hi (when known) does not
     sides: list[bool] = []
     bisect = False
     while hi is None or hi - lo > 1:
@@ -116,8 +130,8 @@ def largest_batch(peak_gib: Callable[[int], float], limit_gib: float, max_batch:
         else:
             hi = guess
     if hi is None:
-        return lo, cache[lo], None, len(cache)
-    return lo, cache[lo], cache[hi], len(cache)
+        return lo, cache[lo], None, len(cache), first
+    return lo, cache[lo], cache[hi], len(cache), first
 
 
 def fit_system(budgets, gpu_gib: float, max_batch: int = 4096, variants: list[str] | None = None):
@@ -139,8 +153,8 @@ def fit_system(budgets, gpu_gib: float, max_batch: int = 4096, variants: list[st
                 reports[bs] = estimate_training_step(e.make_step(bs, ckpt), device="cuda")
                 return needed_bytes(reports[bs], "cuda") / GIB
 
-            b, gib, nxt, probes = largest_batch(total_gib, limit, max_batch)
-            at = reports[max(b, 1)]
+            b, gib, nxt, probes, _ = largest_batch(total_gib, limit, max_batch)
+            at = reports[b] if b else reports[min(reports)]
             alloc = at.peak_bytes / GIB
             reserved = at.cuda.reserved / GIB if at.cuda is not None else alloc
             results.append(FitResult(entry.variant, ckpt, b, gib, nxt, probes, alloc, reserved))
