@@ -11,6 +11,7 @@ import re
 import pytest
 import torch
 from memfit import cli
+from memfit.errors import UsageError
 from memfit.estimate import byname, estimate_model, finetune
 from memfit.estimate.explain import what_ifs
 from memfit.estimate.steps import estimate_training_step, measure_training_step
@@ -168,6 +169,10 @@ BAD = [
     (["timm:no_such_net_xyz"], "timm has no model 'no_such_net_xyz'; see timm.list_models()"),
     (["timm:convnxt_tiny"], "timm has no model 'convnxt_tiny'; did you mean: convnext_tiny"),
     (["torchvision:resnet5000"], "torchvision has no model 'resnet5000'; did you mean: resnet50"),
+    (
+        ["hf:{bert}", "--input", "2x600"],
+        "--input '2x600': 600 tokens exceed the model's 512 learned positions",
+    ),
     (["hf:{llama}", "--input", "2x8", "--lora", "0"], "--lora '0': the LoRA rank is a whole number >= 1"),
     (
         ["hf:{llama}", "--input", "2x8", "--optimizer", "adamz"],
@@ -191,11 +196,26 @@ def test_bad_by_name_and_fine_tuning_input_is_one_line_exit_2(hf_dirs, tmp_path,
     transformers.LlamaConfig(**SMALL, architectures=["LlamaForAlienLM"]).save_pretrained(tmp_path / "alien")
     names = {"missing": tmp_path / "missing", "empty": tmp_path / "empty", "alien": tmp_path / "alien"}
     with pytest.raises(SystemExit) as info:
-        cli.main(["estimate", *[a.format(llama=hf_dirs["llama"], **names) for a in argv]])
+        cli.main(
+            ["estimate", *[a.format(llama=hf_dirs["llama"], bert=hf_dirs["bert"], **names) for a in argv]]
+        )
     out, err = capfd.readouterr()
     assert info.value.code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("memfit estimate: error: ") and message in err, err
     assert re.search(r"; \S", err), err  # the problem, then the fix
+
+
+def test_a_sequence_past_learned_positions_is_refused_and_rotary_ones_take_any_length(hf_dirs, tmp_path):
+    """A real GPT-2 step of more tokens than n_positions indexes past `wpe` and fails; fake tensors hold no
+    values, so the estimate refuses it. LLaMA's rotary positions have no table: 3000 tokens past its
+    max_position_embeddings (2048) run, and trace."""
+    transformers.GPT2Config(**SMALL, n_embd=32, n_layer=1, n_positions=16).save_pretrained(tmp_path)
+    assert trace_target(byname.load_target(f"hf:{tmp_path}", ["2x16"])).report.peak_bytes > 0
+    with pytest.raises(
+        UsageError, match=r"17 tokens exceed the model's 16 learned positions \(`transformer.wpe`\)"
+    ):
+        trace_target(byname.load_target(f"hf:{tmp_path}", ["2x17"]))
+    assert trace_target(byname.load_target(f"hf:{hf_dirs['llama']}", ["1x3000"])).report.peak_bytes > 0
 
 
 def test_a_124m_gpt2_config_estimates_in_seconds(tmp_path):

@@ -200,7 +200,9 @@ def hf_target(spec: str, inputs: list[str] | None, dtype: str | None, amp: str, 
 
     def build() -> nn.Module:
         with quiet_transformers():
-            return cls._from_config(config)
+            model = cls._from_config(config)
+        check_positions(model, shape[1], f"--input {inputs[0]!r}")
+        return model
 
     def make(k: dict[str, int]) -> TrainStep:
         return hf_step(build, (k["batch"], k["input:1"]), ids_dtype, vocab, task, labels, amp_dtype)
@@ -217,6 +219,22 @@ def hf_target(spec: str, inputs: list[str] | None, dtype: str | None, amp: str, 
         f"autocast {amp}"
     )
     return Target(spec, make, {"batch": shape[0], "input:1": shape[1]}, describe)
+
+
+def check_positions(model: nn.Module, tokens: int, given: str) -> None:
+    """Refuse a sequence longer than a learned absolute position table (GPT-2's ``wpe``, BERT's
+    ``position_embeddings``, OPT's and BART's ``embed_positions``, less their ``offset``): the real step
+    indexes past the table and fails, where fake tensors, which hold no values, would trace it. Rotary,
+    relative and ALiBi positions have no table and take any length."""
+    for name, mod in model.named_modules():
+        last = name.rpartition(".")[2]
+        if isinstance(mod, nn.Embedding) and (last == "wpe" or "position" in last):
+            limit = mod.num_embeddings - int(getattr(mod, "offset", 0) or 0)
+            if tokens > limit:
+                raise UsageError(
+                    f"error: {given}: {tokens} tokens exceed the model's {limit} learned positions "
+                    f"(`{name}`); give at most {limit} tokens"
+                )
 
 
 @contextlib.contextmanager
