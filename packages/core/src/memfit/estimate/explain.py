@@ -404,14 +404,15 @@ def scaling(target: Target, knob: str, base_trace: Trace | None = None, factors=
         base_trace if (f == 1 and base_trace is not None) else trace_target(target, **{knob: s})
         for f, s in zip(factors, sizes)
     ]
-    acts = [t.activations_at_peak() for t in traces]
+    highs = [t.activations_high() for t in traces]  # the activations' own high-water mark at each size
+    acts = [b for b, _ in highs]
     k = log2_fit(sizes, acts)
     culprit = None
     if k > 1.3:
         per_key = []
-        for t in (traces[0], traces[-1]):
+        for t, (_, seq) in ((traces[0], highs[0]), (traces[-1], highs[-1])):
             totals: dict[tuple, list] = {}
-            for g in t.groups():
+            for g in t.groups(seq=seq):
                 e = totals.setdefault((g.op, g.module), [0, g.shape])
                 e[0] += g.total
             per_key.append(totals)

@@ -255,11 +255,28 @@ class Trace:
             self._at_peak = self.alive_at(self.peak_seq)
         return self._at_peak
 
-    def groups(self, category: str | None = "activations") -> list[Group]:
-        """Tensors alive at the peak, grouped across repeated layers, largest total first."""
+    def activations_high(self) -> tuple[int, int]:
+        """(bytes, seq) of the most activation memory alive at once in the step: where the peak of the whole
+        step is the optimizer's (a small model's moments outweigh its activations), activations alive at
+        that peak are a few input tensors, not what the batch costs."""
+        change: dict[int, int] = {}
+        for r in self.records:
+            if r[CAT] == "activations":
+                change[r[BORN]] = change.get(r[BORN], 0) + r[NBYTES]
+                if r[FREED] is not None:
+                    change[r[FREED]] = change.get(r[FREED], 0) - r[NBYTES]
+        alive, best, at = 0, 0, self.peak_seq
+        for seq in sorted(change):
+            alive += change[seq]
+            if alive > best:
+                best, at = alive, seq
+        return best, at
+
+    def groups(self, category: str | None = "activations", seq: int | None = None) -> list[Group]:
+        """Tensors alive at the peak (or at ``seq``), grouped across repeated layers, largest total first."""
         by_key: dict[tuple, Group] = {}
         paths: dict[tuple, set[str]] = {}
-        for r in self.at_peak():
+        for r in self.at_peak() if seq is None else self.alive_at(seq):
             if category is not None and r[CAT] != category:
                 continue
             key = (r[OP], module_pattern(r[MODULE]), r[SHAPE], r[DTYPE], r[CAT], r[NBYTES])
