@@ -228,6 +228,23 @@ def test_the_scaling_exponent_follows_the_activations_where_the_peak_changes_pha
     assert 0.9 < s.exponent < 1.1 and s.culprit is None, s.format()
 
 
+def test_a_hub_name_that_cannot_be_reached_is_one_line_at_once(monkeypatch, capfd):
+    """A name that is neither a folder nor cached, with the Hub unreachable (here: a closed local port),
+    is refused after one connection attempt; huggingface_hub alone retried for about 25 s."""
+    import time
+
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["estimate", "hf:no-such-model-here", "--input", "2x8"])
+    err = capfd.readouterr().err
+    assert info.value.code == 2 and time.monotonic() - start < 10
+    assert "no-such-model-here is not a folder here nor in the Hugging Face cache, and 127.0.0.1" in err, err
+    assert "cannot be reached" in err and err.count("\n") == 1, err
+
+
 def test_a_124m_gpt2_config_estimates_in_seconds(tmp_path):
     """The issue's bar: `memfit estimate hf:DIR --input 8x1024` for GPT-2 124M within 10 s of one core
     (CPU time, which a loaded machine does not inflate; the command line adds about 3 s of imports)."""

@@ -19,7 +19,10 @@ from __future__ import annotations
 import contextlib
 import difflib
 import io
+import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 from torch import nn
@@ -102,6 +105,14 @@ def hf_config(name: str):
         raise UsageError(
             f"error: no folder {name}; give a folder holding config.json, or a Hub name ORG/NAME"
         )
+    if not local:
+        with contextlib.suppress(Exception), contextlib.redirect_stderr(io.StringIO()):
+            return transformers.AutoConfig.from_pretrained(name, local_files_only=True)  # the cache
+        if (why := hub_unreachable()) is not None:
+            raise UsageError(
+                f"error: {name} is not a folder here nor in the Hugging Face cache, and {why}; give a folder "
+                "holding the model's config.json (written where the Hub can be reached), or check the network"
+            )
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             return transformers.AutoConfig.from_pretrained(str(path) if local else name)
@@ -117,6 +128,21 @@ def hf_config(name: str):
             f"error: transformers cannot read {where}: {type(exc).__name__}: "
             f"{first_line(exc, 200).rstrip('. ')}; {fix}"
         ) from exc
+
+
+def hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the Hugging Face Hub (``HF_ENDPOINT``, else huggingface.co) cannot be reached, from one
+    connection attempt of at most ``timeout`` seconds; None when it answers or a proxy is set (the proxy
+    decides). huggingface_hub retries an unreachable Hub for about 25 s before it says so."""
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"{host} cannot be reached ({e.strerror or type(e).__name__})"
+    return None
 
 
 def hf_class(config, task: str | None):
