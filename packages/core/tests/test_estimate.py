@@ -406,6 +406,12 @@ BAD = [
     (["{f}:good", "--input", "2x8", "--gpu_gib", "-1"], "--gpu_gib must be a positive number of GiB"),
     (["{f}:good", "--input", "2x8", "--gpu_gib", "1e-9"], "nothing fits"),
     (["{f}:good", "--input", "2x8", "--scale", "tokens"], "not a knob of this target"),
+    (
+        ["{f}:branchy", "--input", "2x8"],
+        "in the forward of the model itself (Branchy): DataDependentOutputException: aten._local_scalar_dense"
+        ".default (the step reads a tensor's value (a branch on it, .item(), nonzero): the estimate's fake "
+        "tensors have shapes but no values",
+    ),
 ]
 
 
@@ -442,6 +448,17 @@ def test_cli_estimate_bad_input_is_one_line_exit_2(tmp_path, capfd, argv, messag
 
             def bad_build():
                 return Broken()
+
+            class Branchy(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.lin = torch.nn.Linear(8, 4)
+                def forward(self, x):
+                    y = self.lin(x)
+                    return y if y.sum() > 0 else -y
+
+            def branchy():
+                return Branchy()
             """
         )
     )

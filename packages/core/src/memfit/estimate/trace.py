@@ -702,15 +702,28 @@ def failure_text(exc: BaseException) -> str:
     path, cls = getattr(exc, "memfit_path", None), getattr(exc, "memfit_class", None)
     where = f" {_PHASE_TEXT.get(phase, '')}" if phase else ""
     if phase == "forward" and path is not None:
-        where = f" in the forward of `{path or '(top)'}` ({cls or '?'})"
+        where = (
+            f" in the forward of `{path}` ({cls or '?'})"
+            if path
+            else f" in the forward of the model itself ({cls or '?'})"
+        )
     elif phase == "build" and cls:
         where += f" (in {cls}.__init__)"
     return f"the training step failed{where}: {type(exc).__name__}: {first_line(exc, 300)}"
 
 
+# what fake tensors raise where a step reads a tensor's value (a branch on it, .item(), nonzero's size)
+_VALUE_READS = ("DataDependentOutputException", "DynamicOutputShapeException", "GuardOnDataDependentSymNode")
+
+
 def _hint(target: Target, exc: BaseException) -> str:
     if getattr(exc, "memfit_phase", None) == "build":
         return "check that the model builds: call the factory yourself"
+    if type(exc).__name__ in _VALUE_READS:
+        return (
+            "the step reads a tensor's value (a branch on it, .item(), nonzero): the estimate's fake "
+            "tensors have shapes but no values; make the step depend on shapes only"
+        )
     return "check --input" if "--input" in target.describe else "check the TrainStep"
 
 
