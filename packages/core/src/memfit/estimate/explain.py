@@ -280,10 +280,16 @@ def what_ifs(target: Target, trace: Trace) -> list[WhatIf]:
             "fewer keys or a feed-forward block would also remove them)"
         )
         if fallback:
+            # on the CPU target the math path may be the CPU's choice; the CUDA target already takes CUDA's
+            why = (
+                "a mask, dropout or its head size"
+                if target.device == "cuda"
+                else "dropout, a mask or the CPU's kernels"
+            )
+            where = "" if target.device == "cuda" else " (--device cuda models a CUDA run's choice)"
             note = (
-                f"{fallback} of {n} are F.scaled_dot_product_attention on its math path (dropout, a mask or "
-                f"this device's kernels), shape {', '.join(map(str, shapes[:3]))}: a fused kernel keeps none "
-                "(--device cuda models a CUDA run's)"
+                f"{fallback} of {n} are F.scaled_dot_product_attention on its math path ({why}), shape "
+                f"{', '.join(map(str, shapes[:3]))}: a fused kernel keeps none{where}"
             )
         rows.append(WhatIf("SDPA in place of softmax(QK^T)V", peak, note))
     if step.amp_dtype is None:
