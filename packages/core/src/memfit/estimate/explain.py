@@ -282,7 +282,8 @@ def what_ifs(target: Target, trace: Trace) -> list[WhatIf]:
         if fallback:
             # on the CPU target the math path may be the CPU's choice; the CUDA target already takes CUDA's
             why = (
-                "a mask, dropout or its head size"
+                "CUDA's choice for these inputs: fp32 with grouped heads, or a head size or dtypes its fused "
+                "kernels do not take"
                 if target.device == "cuda"
                 else "dropout, a mask or the CPU's kernels"
             )
