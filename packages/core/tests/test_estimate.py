@@ -332,6 +332,16 @@ def test_cli_estimate_torchvision_text_and_json(capsys):
     assert code == 0 and data["params"] == 11689512 and data["top_tensors"][0]["shape"][0] == 2
 
 
+def test_cli_estimate_json_is_all_of_stdout_when_the_target_prints(tmp_path, capfd):
+    import json
+
+    f = tmp_path / "loud.py"
+    f.write_text("import torch\ndef net():\n    print('hello from net')\n    return torch.nn.Linear(8, 4)")
+    code, out, err = _run(capfd, f"{f}:net", "--input", "2x8", "--json")
+    assert code == 0 and json.loads(out)["params"] == 36
+    assert "hello from net" in err
+
+
 def test_cli_estimate_trainstep_file_with_a_batch_knob(tmp_path, capsys):
     f = tmp_path / "mystep.py"
     f.write_text(
