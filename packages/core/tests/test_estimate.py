@@ -692,6 +692,37 @@ def test_python_api_returns_the_cli_json(capsys):
     assert torch.equal(model.weight, before) and same.trace.report.params == 650
 
 
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"ranks": 2, "shard": "zero3"}, "shard 'zero3' is not a way ranks hold the state; one of ddp, fsdp"),
+        ({"gpu_gib": "24"}, "gpu_gib='24' is not a number; give GiB as one, e.g. gpu_gib=24"),
+        ({"gpu_gib": 1, "margin": "0.1"}, "margin='0.1' is not a number"),
+        ({"ranks": 2.0}, "ranks=2.0 is not a whole number"),
+        ({"top": "5"}, "top='5' is not a whole number"),
+        (
+            {"optimizer": torch.optim.SGD([nn.Parameter(torch.zeros(1))])},
+            "optimizer is an instance of SGD, not a torch.optim class",
+        ),
+    ],
+)
+def test_python_api_refuses_a_wrong_type_or_choice_in_one_line(kw, message):
+    import memfit
+    from memfit.errors import UsageError
+
+    with pytest.raises(UsageError, match="^error: ") as info:
+        memfit.estimate(lambda: nn.Linear(8, 4), "2x8", **kw)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_python_api_takes_an_optimizer_class_as_its_name():
+    import memfit
+
+    by_class = memfit.estimate(lambda: nn.Linear(8, 4), "2x8", optimizer=torch.optim.SGD)
+    by_name = memfit.estimate(lambda: nn.Linear(8, 4), "2x8", optimizer="sgd")
+    assert by_class.peak_bytes == by_name.peak_bytes and "SGD()" in by_class.target.describe
+
+
 def test_token_ids_are_inferred_from_an_embedding_first_layer():
     t = make_target(lambda: SeedGPT(64, 64, 2, 2, 16), "seed-gpt", ["2x128"])
     assert "2x128:int64" in t.describe and "token ids < 64" in t.describe

@@ -174,6 +174,7 @@ BAD = [
         "'adamz' is not a torch.optim class",
     ),
     (["hf:{llama}", "--input", "2x8", "--optimizer", "sgd:momentun=0.9"], "SGD has no keyword 'momentun'"),
+    (["hf:{llama}", "--input", "2x8", "--optimizer", "sparseadam"], "sparseadam takes sparse gradients only"),
     (["hf:{llama}", "--input", "2x8", "--accumulate", "0"], "--accumulate '0': micro-batches per optimizer"),
     (["hf:{llama}", "--input", "2x8", "--accumulate", "two"], "--accumulate 'two'"),
     (["hf:{llama}", "--input", "2x8", "--freeze", "nothing_here"], "--freeze 'nothing_here' matches no"),
