@@ -440,6 +440,21 @@ def test_fit_says_nothing_fits_in_one_line(capsys):
     assert "batch 0" not in err
 
 
+def test_fit_refuses_a_variant_it_cannot_fit_in_one_line(capsys):
+    from memfit.system import available_systems
+
+    if "ginr-cifar" not in available_systems():
+        pytest.skip("ginr-cifar not installed")
+    for variant, message in [
+        ("foo", "error: unknown variant 'foo'; ginr-cifar has ff, xattn\n"),
+        ("attn", "error: variant 'attn' has no batch to fit (a fixed or baseline step); ginr-cifar has ff"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["fit", "--system", "ginr-cifar", "--gpu_gib", "24", "--variant", variant])
+        out, err = capsys.readouterr()
+        assert info.value.code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
 def test_module_pattern_groups_repeated_layers():
     from memfit.estimate import module_pattern
 

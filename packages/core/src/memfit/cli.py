@@ -150,10 +150,21 @@ def _fit(args: argparse.Namespace) -> int:
     if args.gpu_gib is None:
         raise UsageError("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
     check_numbers(args, gpu_gib=f"(0, {MAX_GPU_GIB}]", max_batch="[1, 2**31-1]")
+    budgets = load_system(args.system).budgets()
+    fittable = [e.variant for e in budgets if not e.is_baseline and e.make_step is not None]
+    for variant in args.variant or ():  # a typo would give an empty table
+        if variant not in fittable:
+            known = variant in {e.variant for e in budgets}
+            what = (
+                f"variant {variant!r} has no batch to fit (a fixed or baseline step)"
+                if known
+                else f"unknown variant {variant!r}"
+            )
+            raise UsageError(f"error: {what}; {args.system} has {', '.join(fittable)}")
     on = DeviceTarget.from_flags("cuda", args.gpu, False if args.no_cuda_kernels else None)
     before = registry.traced()
     with on.entered():
-        results = fit_system(load_system(args.system).budgets(), args.gpu_gib, args.max_batch, args.variant)
+        results = fit_system(budgets, args.gpu_gib, args.max_batch, args.variant)
         ran = {k for k, n in registry.traced().items() if n > before.get(k, 0)}
         kernels = on.kernels_used(ran) or "PyTorch's own kernels"
         described = f"{kernels}, {on.card_used().describe()}"
