@@ -254,6 +254,11 @@ def finetuned(step: TrainStep, ft: FineTune, device: str = "cpu") -> TrainStep:
                     f"error: --freeze {ft.freeze.pattern!r} matches no parameter; names look like "
                     f"{next(iter(dict(model.named_parameters())), '?')!r}"
                 )
+            if not any(p.requires_grad for p in model.parameters()):  # backward would fail on the loss
+                raise UsageError(
+                    f"error: --freeze {ft.freeze.pattern!r} freezes every parameter, so nothing would train; "
+                    "match only some names, e.g. 'embed|layers\\.[0-5]\\.'"
+                )
         return model
 
     opt = step.optimizer if ft.optimizer is None else optimizer_factory(ft, device)
