@@ -162,6 +162,11 @@ BAD = [
     (["hf:{alien}", "--input", "2x8"], "has no LlamaForAlienLM (config.json's architectures); upgrade"),
     (["hf:{llama}"], "needs one --input BATCHxTOKENS"),
     (
+        ["hf:{llama}", "--input", "2x8", "--dtype", "float32"],
+        "--dtype float32 makes the token ids floats; drop",
+    ),
+    (["hf:{llama}", "--input", "2x8:float16"], "--input '2x8:float16' says torch.float16; token ids are"),
+    (
         ["hf:{llama}", "--input", "2x8", "--task", "speech"],
         "--task 'speech' is not a head memfit",
     ),
@@ -177,6 +182,7 @@ BAD = [
     (["hf:{llama}", "--input", "2x8", "--optimizer", "sparseadam"], "sparseadam takes sparse gradients only"),
     (["hf:{llama}", "--input", "2x8", "--accumulate", "0"], "--accumulate '0': micro-batches per optimizer"),
     (["hf:{llama}", "--input", "2x8", "--accumulate", "two"], "--accumulate 'two'"),
+    (["hf:{llama}", "--input", "2x8", "--freeze", "."], "--freeze '.' freezes every parameter, so nothing"),
     (["hf:{llama}", "--input", "2x8", "--freeze", "nothing_here"], "--freeze 'nothing_here' matches no"),
     (["torchvision:resnet18", "--input", "1x3x32x32", "--lora", "4"], "peft has no default LoRA modules for"),
     (
