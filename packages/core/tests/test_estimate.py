@@ -342,6 +342,18 @@ def test_cli_estimate_json_is_all_of_stdout_when_the_target_prints(tmp_path, cap
     assert "hello from net" in err
 
 
+def test_cli_estimate_takes_a_module_built_at_import_as_the_python_api_does(tmp_path, capsys):
+    import json
+
+    import memfit
+
+    f = tmp_path / "built.py"
+    f.write_text("import torch\nMODEL = torch.nn.Linear(8, 8)\n")
+    code, out, err = _run(capsys, f"{f}:MODEL", "--input", "2x8", "--json")
+    assert code == 0, err
+    assert json.loads(out)["peak_gib"] == memfit.estimate(nn.Linear(8, 8), "2x8").to_dict()["peak_gib"]
+
+
 def test_cli_estimate_trainstep_file_with_a_batch_knob(tmp_path, capsys):
     f = tmp_path / "mystep.py"
     f.write_text(

@@ -4,7 +4,6 @@ calls from a notebook."""
 
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from memfit.estimate.result import EstimateResult
 from memfit.estimate.target import DeviceTarget
 from memfit.estimate.trace import (
     Target,
+    copying_factory,
     fmt_bytes,
     make_target,
     trace_target,
@@ -233,12 +233,7 @@ def _module_target(
 ) -> Target:
     """The Target of an nn.Module (copied, never changed) or a function that builds one."""
     if isinstance(model, nn.Module):
-        instance = model
-
-        def factory() -> nn.Module:  # a fake copy is made from a real copy by build_model's fallback
-            return copy.deepcopy(instance)
-
-        label = type(model).__name__
+        factory, label = copying_factory(model), type(model).__name__
     elif callable(model):
         factory, label = model, getattr(model, "__name__", "model")
     else:

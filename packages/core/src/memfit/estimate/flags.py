@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "target",
         help="path/to/file.py:func or package.module:func (func() returns a memfit.memory.TrainStep, or is "
-        "a module factory: then give --input); or a model by name: hf:ORG/NAME or hf:path/to/dir (its "
-        "config.json, no weights), timm:NAME, torchvision:NAME",
+        "a module factory: then give --input, as for a module built at import, file.py:MODEL); or a model "
+        "by name: hf:ORG/NAME or hf:path/to/dir (its config.json, no weights), timm:NAME, torchvision:NAME",
     )
     p.add_argument(
         "--input",
