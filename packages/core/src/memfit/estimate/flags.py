@@ -107,7 +107,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--max_batch", type=int, default=4096)
     p.add_argument("--json", action="store_true", help="everything as one JSON object")
-    p.add_argument("--timeline", metavar="PNG", help="draw memory over the step to this PNG file")
+    p.add_argument("--timeline", metavar="PNG", help="draw memory over the step to this .png file")
     p.add_argument("--snapshot", metavar="PICKLE", help=SNAPSHOT_HELP)
     p.set_defaults(func=_run)
 
