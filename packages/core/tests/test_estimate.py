@@ -376,6 +376,9 @@ def test_cli_estimate_trainstep_file_with_a_batch_knob(tmp_path, capsys):
     code, out, err = _run(capsys, f"{f}:step", "--gpu_gib", "1", "--margin", "0.2")
     assert code == 0, err
     assert "Largest batch that fits a 1 GiB GPU (20% margin: 0.80 GiB usable for the card total)" in out
+    # a TrainStep sets its own autocast: --amp is refused, as --input is, not silently ignored
+    code, out, err = _run(capsys, f"{f}:step", "--amp", "bf16")
+    assert code == 2 and out == "" and "--amp sets a module factory's autocast" in err, err
 
 
 BAD = [

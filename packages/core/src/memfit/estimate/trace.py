@@ -658,6 +658,11 @@ def make_target(
             f"error: {spec}() returned {type(probe).__name__}; it must return a memfit.memory.TrainStep, "
             "or be a module factory used with --input SHAPE"
         )
+    if amp != "none":  # as --input: what a factory's step is made with, a TrainStep says itself
+        raise UsageError(
+            f"error: --amp sets a module factory's autocast and {spec}() returns a TrainStep; drop --amp, "
+            "or set the TrainStep's amp_dtype"
+        )
 
     def make_step(k: dict[str, int]) -> TrainStep:
         step = _call(fn, spec, **k)
