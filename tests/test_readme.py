@@ -397,3 +397,10 @@ def test_ci_runs_the_command_the_readme_names():
         for line in body.splitlines()
     ]
     assert shlex.split(command) in shown, f'README.md "{section}" does not show .ci/run\'s `{command}`'
+
+
+def test_the_readme_quotes_the_zoo_tables_summary():
+    """The zoo count in the README is the one docs/estimate-zoo.md (written by tools/estimate_zoo.py) says."""
+    zoo = (ROOT / "docs" / "estimate-zoo.md").read_text()
+    within, measured = re.search(r"(\d+) of (\d+) measured are within 1%", zoo).groups()
+    assert f"({within} of {measured} measured zoo estimates within 1%" in README.read_text()

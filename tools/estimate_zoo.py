@@ -533,12 +533,15 @@ families (drop-path 0.1 where the model has it), {len(TF)} transformers architec
 configs (decoders, encoders, encoder-decoders, vision, speech), and an LSTM of our own, at small CPU
 shapes. Each model's training step (cross-entropy, or the model's own loss for encoder-decoders; fused
 AdamW; fp32 unless stated) is **estimated** (`memfit.estimate.trace.trace_step`: fake tensors, what
-`memfit estimate` runs) and **measured** (`memfit.estimate.memory.measure_training_step`: two real steps on
-the
+`memfit estimate` runs) and **measured** (`memfit.estimate.steps.measure_training_step`: two real steps on the
 CPU, every live tensor storage counted, so the peak is the steady state with optimizer state).
 "measured MiB" is that real peak, "error" is (estimate - measured) / measured, "estimate s" the
 estimate's own time in the process (1 thread; the CLI adds its start-up, mostly importing torch and the
 model library).
+
+The torchvision and timm models are built with `num_classes=10`: `memfit estimate torchvision:resnet18
+--input 2x3x64x64` builds the 1000-class head of `weights=None` and gives more than the resnet18 row; a
+factory of yours returning `torchvision.models.resnet18(num_classes=10)` gives the row.
 
 Regenerate (about {(time.perf_counter() - t_all) / 60:.0f} minutes on one core):
 

@@ -174,3 +174,18 @@ def test_memfit_run_reaches_extra_commands(capsys):
     with pytest.raises(SystemExit):
         cli.main(["systems"])
     assert "mbsnet-speech  (extra commands: enhance)" in capsys.readouterr().out
+
+
+def test_estimate_fit_and_budget_flags_each_say_what_they_do():
+    import argparse
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    cli._heavy_parsers(sub)
+    for name in ("estimate", "fit", "budget"):
+        silent = [a.option_strings or a.dest for a in sub.choices[name]._actions if not a.help]
+        assert not silent, f"memfit {name}: no help for {silent}"
+    fit = sub.choices["fit"]
+    assert {a.dest for a in fit._actions if a.required} == {"system", "gpu_gib"}  # as the usage line says
+    estimate = {a.dest: a.help for a in sub.choices["estimate"]._actions}
+    assert "LoRA" in estimate["explain"] and "SGD" in estimate["explain"]
+    assert "by name" in estimate["amp"] and "TrainStep" in estimate["amp"]

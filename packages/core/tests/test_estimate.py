@@ -333,6 +333,28 @@ def test_cli_estimate_torchvision_text_and_json(capsys):
     assert code == 0 and data["params"] == 11689512 and data["top_tensors"][0]["shape"][0] == 2
 
 
+def test_cli_estimate_json_is_all_of_stdout_when_the_target_prints(tmp_path, capfd):
+    import json
+
+    f = tmp_path / "loud.py"
+    f.write_text("import torch\ndef net():\n    print('hello from net')\n    return torch.nn.Linear(8, 4)")
+    code, out, err = _run(capfd, f"{f}:net", "--input", "2x8", "--json")
+    assert code == 0 and json.loads(out)["params"] == 36
+    assert "hello from net" in err
+
+
+def test_cli_estimate_takes_a_module_built_at_import_as_the_python_api_does(tmp_path, capsys):
+    import json
+
+    import memfit
+
+    f = tmp_path / "built.py"
+    f.write_text("import torch\nMODEL = torch.nn.Linear(8, 8)\n")
+    code, out, err = _run(capsys, f"{f}:MODEL", "--input", "2x8", "--json")
+    assert code == 0, err
+    assert json.loads(out)["peak_gib"] == memfit.estimate(nn.Linear(8, 8), "2x8").to_dict()["peak_gib"]
+
+
 def test_cli_estimate_trainstep_file_with_a_batch_knob(tmp_path, capsys):
     f = tmp_path / "mystep.py"
     f.write_text(
@@ -355,6 +377,9 @@ def test_cli_estimate_trainstep_file_with_a_batch_knob(tmp_path, capsys):
     code, out, err = _run(capsys, f"{f}:step", "--gpu_gib", "1", "--margin", "0.2")
     assert code == 0, err
     assert "Largest batch that fits a 1 GiB GPU (20% margin: 0.80 GiB usable for the card total)" in out
+    # a TrainStep sets its own autocast: --amp is refused, as --input is, not silently ignored
+    code, out, err = _run(capsys, f"{f}:step", "--amp", "bf16")
+    assert code == 2 and out == "" and "--amp sets a module factory's autocast" in err, err
 
 
 def test_cli_estimate_batch_search_past_batchnorm_and_at_its_cap(tmp_path, capsys):
@@ -479,6 +504,21 @@ def test_fit_says_nothing_fits_in_one_line(capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1 and "nothing fits 0.01 GiB" in err
     assert "batch 0" not in err
+
+
+def test_fit_refuses_a_variant_it_cannot_fit_in_one_line(capsys):
+    from memfit.system import available_systems
+
+    if "ginr-cifar" not in available_systems():
+        pytest.skip("ginr-cifar not installed")
+    for variant, message in [
+        ("foo", "error: unknown variant 'foo'; ginr-cifar has ff, xattn\n"),
+        ("attn", "error: variant 'attn' has no batch to fit (a fixed or baseline step); ginr-cifar has ff"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            cli.main(["fit", "--system", "ginr-cifar", "--gpu_gib", "24", "--variant", variant])
+        out, err = capsys.readouterr()
+        assert info.value.code == 2 and out == "" and err.count("\n") == 1 and message in err, err
 
 
 def test_module_pattern_groups_repeated_layers():
@@ -731,6 +771,37 @@ def test_python_api_returns_the_cli_json(capsys):
     before = model.weight.detach().clone()
     same = memfit.estimate(model, (8, 64))
     assert torch.equal(model.weight, before) and same.trace.report.params == 650
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"ranks": 2, "shard": "zero3"}, "shard 'zero3' is not a way ranks hold the state; one of ddp, fsdp"),
+        ({"gpu_gib": "24"}, "gpu_gib='24' is not a number; give GiB as one, e.g. gpu_gib=24"),
+        ({"gpu_gib": 1, "margin": "0.1"}, "margin='0.1' is not a number"),
+        ({"ranks": 2.0}, "ranks=2.0 is not a whole number"),
+        ({"top": "5"}, "top='5' is not a whole number"),
+        (
+            {"optimizer": torch.optim.SGD([nn.Parameter(torch.zeros(1))])},
+            "optimizer is an instance of SGD, not a torch.optim class",
+        ),
+    ],
+)
+def test_python_api_refuses_a_wrong_type_or_choice_in_one_line(kw, message):
+    import memfit
+    from memfit.errors import UsageError
+
+    with pytest.raises(UsageError, match="^error: ") as info:
+        memfit.estimate(lambda: nn.Linear(8, 4), "2x8", **kw)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_python_api_takes_an_optimizer_class_as_its_name():
+    import memfit
+
+    by_class = memfit.estimate(lambda: nn.Linear(8, 4), "2x8", optimizer=torch.optim.SGD)
+    by_name = memfit.estimate(lambda: nn.Linear(8, 4), "2x8", optimizer="sgd")
+    assert by_class.peak_bytes == by_name.peak_bytes and "SGD()" in by_class.target.describe
 
 
 def test_token_ids_are_inferred_from_an_embedding_first_layer():

@@ -102,6 +102,20 @@ def test_accumulate_keeps_gradients_between_micro_batches(hf_dirs):
     assert e3.peak_bytes > e1.peak_bytes
 
 
+def test_a_large_accumulate_gives_the_figures_of_a_few_micro_batches_at_once(hf_dirs):
+    """The estimate traces a few micro-batches (steps.TRACED_MICRO_BATCHES), the real step all of them."""
+    import time
+
+    spec = f"hf:{hf_dirs['llama']}"
+    five = estimate_model(spec, "2x64", accumulate=5)
+    assert five.peak_bytes == measure_training_step(five.target.step()).peak_bytes
+    start = time.process_time()
+    many = estimate_model(spec, "2x64", accumulate=1000)
+    assert time.process_time() - start < 5 and many.peak_bytes == five.peak_bytes
+    cuda = [estimate_model(spec, "2x64", accumulate=n, device="cuda") for n in (5, 1000)]
+    assert len({(r.peak_bytes, r.reserved_bytes, r.total_bytes) for r in cuda}) == 1
+
+
 def test_python_api_by_name_with_fine_tuning_keywords(hf_dirs):
     r = estimate_model(f"hf:{hf_dirs['qwen2']}", "2x128", lora="8:q_proj", optimizer="sgd:momentum=0.9")
     assert "LoRA r=8 on q_proj" in r.target.describe and "SGD(momentum=0.9)" in r.target.describe
@@ -163,6 +177,11 @@ BAD = [
     (["hf:{alien}", "--input", "2x8"], "has no LlamaForAlienLM (config.json's architectures); upgrade"),
     (["hf:{llama}"], "needs one --input BATCHxTOKENS"),
     (
+        ["hf:{llama}", "--input", "2x8", "--dtype", "float32"],
+        "--dtype float32 makes the token ids floats; drop",
+    ),
+    (["hf:{llama}", "--input", "2x8:float16"], "--input '2x8:float16' says torch.float16; token ids are"),
+    (
         ["hf:{llama}", "--input", "2x8", "--task", "speech"],
         "--task 'speech' is not a head memfit",
     ),
@@ -179,8 +198,10 @@ BAD = [
         "'adamz' is not a torch.optim class",
     ),
     (["hf:{llama}", "--input", "2x8", "--optimizer", "sgd:momentun=0.9"], "SGD has no keyword 'momentun'"),
+    (["hf:{llama}", "--input", "2x8", "--optimizer", "sparseadam"], "sparseadam takes sparse gradients only"),
     (["hf:{llama}", "--input", "2x8", "--accumulate", "0"], "--accumulate '0': micro-batches per optimizer"),
     (["hf:{llama}", "--input", "2x8", "--accumulate", "two"], "--accumulate 'two'"),
+    (["hf:{llama}", "--input", "2x8", "--freeze", "."], "--freeze '.' freezes every parameter, so nothing"),
     (["hf:{llama}", "--input", "2x8", "--freeze", "nothing_here"], "--freeze 'nothing_here' matches no"),
     (["torchvision:resnet18", "--input", "1x3x32x32", "--lora", "4"], "peft has no default LoRA modules for"),
     (

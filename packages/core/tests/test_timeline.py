@@ -211,6 +211,7 @@ def test_cli_writes_the_timeline_and_the_snapshot(tmp_path, capfd, model_file):
         ("--timeline", "{tmp}", "is a folder; give a file name, e.g."),
         ("--snapshot", "{tmp}/no/such/folder/s.pickle", "no folder"),
         ("--timeline", "{file}/t.png", "no folder"),
+        ("--timeline", "{tmp}/t.jpg", "the timeline is a PNG image; name it"),
     ],
 )
 def test_cli_bad_output_paths_are_one_line_exit_2(tmp_path, capfd, model_file, flag, where, message):

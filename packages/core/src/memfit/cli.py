@@ -147,13 +147,22 @@ def _fit(args: argparse.Namespace) -> int:
     if args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
         raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
-    if args.gpu_gib is None:
-        raise UsageError("error: memfit fit needs --gpu_gib G (the GPU's memory in GiB)")
     check_numbers(args, gpu_gib=f"(0, {MAX_GPU_GIB}]", max_batch="[1, 2**31-1]")
+    budgets = load_system(args.system).budgets()
+    fittable = [e.variant for e in budgets if not e.is_baseline and e.make_step is not None]
+    for variant in args.variant or ():  # a typo would give an empty table
+        if variant not in fittable:
+            known = variant in {e.variant for e in budgets}
+            what = (
+                f"variant {variant!r} has no batch to fit (a fixed or baseline step)"
+                if known
+                else f"unknown variant {variant!r}"
+            )
+            raise UsageError(f"error: {what}; {args.system} has {', '.join(fittable)}")
     on = DeviceTarget.from_flags("cuda", args.gpu, False if args.no_cuda_kernels else None)
     before = registry.traced()
     with on.entered():
-        results = fit_system(load_system(args.system).budgets(), args.gpu_gib, args.max_batch, args.variant)
+        results = fit_system(budgets, args.gpu_gib, args.max_batch, args.variant)
         ran = {k for k, n in registry.traced().items() if n > before.get(k, 0)}
         kernels = on.kernels_used(ran) or "PyTorch's own kernels"
         described = f"{kernels}, {on.card_used().describe()}"
@@ -307,7 +316,7 @@ def _main(argv: list[str] | None = None) -> int:
 
 def _heavy_parsers(sub: argparse._SubParsersAction) -> None:
     """`memfit budget / fit / estimate`: their flags' help comes from the estimator."""
-    from memfit.estimate import GPU_HELP, MEASURE_HELP, NO_CUDA_KERNELS_HELP
+    from memfit.estimate import GPU_HELP, MAX_BATCH_HELP, MEASURE_HELP, NO_CUDA_KERNELS_HELP
     from memfit.estimate import add_parser as estimate_parser
 
     p = sub.add_parser("budget", help=HEAVY["budget"])
@@ -324,17 +333,17 @@ def _heavy_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--measure", action="store_true", help=MEASURE_HELP)
     p.set_defaults(func=_budget)
     p = sub.add_parser("fit", help=HEAVY["fit"])
-    p.add_argument("--system", required=True)
-    p.add_argument("--gpu_gib", type=float, help="GPU memory to fit, GiB (required)")
+    p.add_argument("--system", required=True, help="the installed system to fit (memfit systems lists them)")
+    p.add_argument("--gpu_gib", type=float, required=True, help="GPU memory to fit, GiB")
     p.add_argument("--variant", action="append", help="only these variants (repeatable)")
-    p.add_argument("--max_batch", type=int, default=4096)
+    p.add_argument("--max_batch", type=int, default=4096, help=MAX_BATCH_HELP)
     p.add_argument(
         "--no_cuda_kernels",
         action="store_true",
         help=NO_CUDA_KERNELS_HELP.removeprefix("with --device cuda: "),
     )
     p.add_argument("--gpu", help=GPU_HELP)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the rows as a JSON list")
     p.set_defaults(func=_fit)
     estimate_parser(sub)
 

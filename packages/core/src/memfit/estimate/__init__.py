@@ -32,7 +32,9 @@ _NAMES = {
     "result": ("EstimateResult", "tree_rows", "split_text", "cuda_lines"),
     "api": ("estimate", "estimate_model", "capacity", "MAX_RANKS", "MAX_BATCH"),
     "command": ("main",),
-    "flags": ("add_parser", "GPU_HELP", "MEASURE_HELP", "NO_CUDA_KERNELS_HELP", "SNAPSHOT_HELP"),
+    "flags": (
+        "add_parser", "GPU_HELP", "MAX_BATCH_HELP", "MEASURE_HELP", "NO_CUDA_KERNELS_HELP", "SNAPSHOT_HELP"
+    ),
     "byname": ("load_target",),
     "target": ("DeviceTarget",),
     "trace": (

@@ -4,8 +4,8 @@ calls from a notebook."""
 
 from __future__ import annotations
 
-import copy
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -19,6 +19,7 @@ from memfit.estimate.result import EstimateResult
 from memfit.estimate.target import DeviceTarget
 from memfit.estimate.trace import (
     Target,
+    copying_factory,
     fmt_bytes,
     make_target,
     trace_target,
@@ -27,6 +28,7 @@ from memfit.estimate.tracker import GIB
 
 MAX_RANKS = 2**20
 MAX_BATCH = 2**31 - 1
+SHARDS = ("ddp", "fsdp")  # --shard's choices
 
 
 def estimate(
@@ -46,6 +48,11 @@ def estimate(
     the batch by default), the per-rank peak (ranks > 1) and the largest batch under `gpu_gib`.
     `fsdp_units` (a regular expression of module names, ``--fsdp_units``): the modules FSDP wraps, for
     shard "fsdp" (default: the repeated blocks, else the whole model as one unit)."""
+    _check_types(gpu_gib, margin, ranks, top, max_batch)
+    if shard not in SHARDS:
+        raise UsageError(
+            f"error: shard {shard!r} is not a way ranks hold the state; one of {', '.join(SHARDS)}"
+        )
     if fsdp_units is not None and (shard != "fsdp" or ranks < 2):
         raise UsageError("error: --fsdp_units names FSDP's units; give it with --shard fsdp --ranks N, N > 1")
     if gpu_gib is not None and not (math.isfinite(gpu_gib) and 0 < gpu_gib <= MAX_GPU_GIB):
@@ -86,6 +93,22 @@ def estimate(
             target, result.trace, nbytes, where, device, margin, result.fit, max_batch
         )
     return result
+
+
+def _check_types(gpu_gib, margin, ranks, top, max_batch) -> None:
+    """A keyword of the wrong type from Python (``gpu_gib="24"``) is one line, as a bad value is (the
+    command line's argparse converts them)."""
+    if gpu_gib is not None and not _is(gpu_gib, numbers.Real):
+        raise UsageError(f"error: gpu_gib={gpu_gib!r} is not a number; give GiB as one, e.g. gpu_gib=24")
+    if not _is(margin, numbers.Real):
+        raise UsageError(f"error: margin={margin!r} is not a number; give a fraction, e.g. margin=0.1")
+    for name, value in (("ranks", ranks), ("top", top), ("max_batch", max_batch)):
+        if not _is(value, numbers.Integral):
+            raise UsageError(f"error: {name}={value!r} is not a whole number; give one, e.g. {name}=4")
+
+
+def _is(value, kind) -> bool:
+    return isinstance(value, kind) and not isinstance(value, bool)
 
 
 def capacity(device: str, gpu_gib: float | None) -> tuple[str, int, str] | None:
@@ -129,7 +152,7 @@ def estimate_model(
     task: str | None = None,
     lora: int | str | None = None,
     freeze: str | None = None,
-    optimizer: str | None = None,
+    optimizer: str | type[torch.optim.Optimizer] | None = None,
     accumulate: int | None = None,
     fsdp_units: str | None = None,
 ) -> EstimateResult:
@@ -151,7 +174,8 @@ def estimate_model(
     seq2seq-lm, classification, base), ``"timm:NAME"``, ``"torchvision:NAME"`` (``inputs`` optional for
     those two: their default resolution). Fine-tuning, for any model: ``lora`` (a rank, or
     ``"16:q_proj,v_proj"``), ``freeze`` (a regex of parameter names), ``optimizer`` (``"sgd:momentum=0.9"``,
-    ``"adafactor"``: any torch.optim class) and ``accumulate`` (micro-batches per optimizer step).
+    ``"adafactor"``: any torch.optim class by name, or the class itself, ``torch.optim.SGD``, with its
+    defaults) and ``accumulate`` (micro-batches per optimizer step).
     The result's ``to_dict()`` is what ``memfit estimate --json`` prints; on CUDA its three figures are
     ``allocated_bytes`` (the allocator peak, also ``peak_bytes``), ``reserved_bytes`` and ``total_bytes``.
     """
@@ -209,12 +233,7 @@ def _module_target(
 ) -> Target:
     """The Target of an nn.Module (copied, never changed) or a function that builds one."""
     if isinstance(model, nn.Module):
-        instance = model
-
-        def factory() -> nn.Module:  # a fake copy is made from a real copy by build_model's fallback
-            return copy.deepcopy(instance)
-
-        label = type(model).__name__
+        factory, label = copying_factory(model), type(model).__name__
     elif callable(model):
         factory, label = model, getattr(model, "__name__", "model")
     else:

@@ -206,6 +206,11 @@ def hf_target(spec: str, inputs: list[str] | None, dtype: str | None, amp: str, 
     if len(shape) != 2:
         raise UsageError(f"error: --input {inputs[0]!r}: a language model takes BATCHxTOKENS; e.g. 8x1024")
     ids_dtype = given or (parse_dtype(dtype) if dtype else torch.int64)
+    if ids_dtype.is_floating_point and given is None:  # --dtype said it, not --input
+        raise UsageError(
+            f"error: --dtype {dtype} makes the token ids floats; drop it (ids are int64), or give --amp bf16 "
+            "for half-precision compute"
+        )
     if ids_dtype.is_floating_point:
         raise UsageError(f"error: --input {inputs[0]!r} says {ids_dtype}; token ids are integers (int64)")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -30,6 +31,15 @@ def _main(args) -> int:
 
 
 def _estimate_command(args) -> int:
+    """The report printed; with --json what the target itself prints goes to stderr, so that stdout is
+    exactly the JSON object."""
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        report = _report(args)
+    print(report)
+    return 0
+
+
+def _report(args) -> str:
     if args.measure:
         from memfit.estimate.measure import require_gpu
 
@@ -85,9 +95,6 @@ def _estimate_command(args) -> int:
         if real is not None and "skipped" not in row:
             print(f"memfit estimate: wrote the measured step's snapshot to {real}", file=sys.stderr)
         if args.json:
-            print(json.dumps({**result.to_dict(), "measure": row}, indent=2))
-        else:
-            print(result.format() + "\n\n" + format_rows([row]))
-        return 0
-    print(result.to_json() if args.json else result.format())
-    return 0
+            return json.dumps({**result.to_dict(), "measure": row}, indent=2)
+        return result.format() + "\n\n" + format_rows([row])
+    return result.to_json() if args.json else result.format()

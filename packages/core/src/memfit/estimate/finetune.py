@@ -66,10 +66,12 @@ class FineTune:
 def parse(
     lora: str | int | None = None,
     freeze: str | None = None,
-    optimizer: str | None = None,
+    optimizer: str | type[Optimizer] | None = None,
     accumulate: int | str | None = None,
 ) -> FineTune:
-    """The flags' texts (or the Python API's values) -> a FineTune; every bad value is one UsageError."""
+    """The flags' texts (or the Python API's values) -> a FineTune; every bad value is one UsageError.
+    ``optimizer`` from Python may also be an Optimizer class (``torch.optim.SGD``): built with its
+    defaults, as its name without keywords is."""
     ft = FineTune()
     if lora is not None:
         ft.lora, ft.lora_modules = parse_lora(str(lora))
@@ -81,8 +83,15 @@ def parse(
                 f"error: --freeze {freeze!r} is not a regular expression ({exc}); "
                 "e.g. 'embed|layers\\.[0-5]\\.'"
             ) from exc
-    if optimizer is not None:
+    if isinstance(optimizer, type) and issubclass(optimizer, Optimizer):
+        ft.optimizer, ft.optimizer_kwargs = usable_optimizer(optimizer), {}
+    elif isinstance(optimizer, str):
         ft.optimizer, ft.optimizer_kwargs = parse_optimizer(optimizer)
+    elif optimizer is not None:
+        raise UsageError(
+            f"error: optimizer is an instance of {type(optimizer).__name__}, not a torch.optim class or its "
+            "name; give e.g. optimizer=torch.optim.SGD or optimizer='sgd:momentum=0.9'"
+        )
     if accumulate is not None:
         try:
             ft.accumulate = int(accumulate)
@@ -133,11 +142,7 @@ def parse_optimizer(text: str) -> tuple[type[Optimizer], dict]:
             f"error: --optimizer {name.strip()!r} is not a torch.optim class; "
             f"one of {', '.join(sorted(known))}"
         )
-    if cls is torch.optim.LBFGS:
-        raise UsageError(
-            "error: --optimizer lbfgs re-runs the step from a closure, which a TrainStep has none of; "
-            "write the step yourself or pick another optimizer"
-        )
+    usable_optimizer(cls)
     params = inspect.signature(cls.__init__).parameters
     accepted = [p for p in params if p not in ("self", "params")]
     kwargs = {}
@@ -152,6 +157,21 @@ def parse_optimizer(text: str) -> tuple[type[Optimizer], dict]:
             )
         kwargs[key] = _value(value.strip())
     return cls, kwargs
+
+
+def usable_optimizer(cls: type[Optimizer]) -> type[Optimizer]:
+    """`cls`, unless it cannot run a TrainStep's step: one line saying why."""
+    if issubclass(cls, torch.optim.LBFGS):
+        raise UsageError(
+            "error: --optimizer lbfgs re-runs the step from a closure, which a TrainStep has none of; "
+            "write the step yourself or pick another optimizer"
+        )
+    if issubclass(cls, torch.optim.SparseAdam):
+        raise UsageError(
+            "error: --optimizer sparseadam takes sparse gradients only (nn.Embedding(sparse=True)), and a "
+            "model's other layers give dense ones; pick adam or adamw"
+        )
+    return cls
 
 
 def _split(text: str) -> list[str]:
@@ -233,6 +253,11 @@ def finetuned(step: TrainStep, ft: FineTune, device: str = "cpu") -> TrainStep:
                 raise UsageError(
                     f"error: --freeze {ft.freeze.pattern!r} matches no parameter; names look like "
                     f"{next(iter(dict(model.named_parameters())), '?')!r}"
+                )
+            if not any(p.requires_grad for p in model.parameters()):  # backward would fail on the loss
+                raise UsageError(
+                    f"error: --freeze {ft.freeze.pattern!r} freezes every parameter, so nothing would train; "
+                    "match only some names, e.g. 'embed|layers\\.[0-5]\\.'"
                 )
         return model
 

@@ -18,7 +18,7 @@ NO_CUDA_KERNELS_HELP = (
     "with --device cuda: a GPU without the cuda extra's mamba_ssm and causal-conv1d (the Mamba torch-op "
     "path); default: what this machine's GPU has, or the extra installed when there is no GPU"
 )
-
+MAX_BATCH_HELP = "where the search for the largest batch that fits stops (default %(default)s)"
 
 SNAPSHOT_HELP = (
     "write the step in PyTorch's memory-snapshot format to this file (open it at pytorch.org/memory_viz); "
@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "target",
         help="path/to/file.py:func or package.module:func (func() returns a memfit.memory.TrainStep, or is "
-        "a module factory: then give --input); or a model by name: hf:ORG/NAME or hf:path/to/dir (its "
-        "config.json, no weights), timm:NAME, torchvision:NAME",
+        "a module factory: then give --input, as for a module built at import, file.py:MODEL); or a model "
+        "by name: hf:ORG/NAME or hf:path/to/dir (its config.json, no weights), timm:NAME, torchvision:NAME",
     )
     p.add_argument(
         "--input",
@@ -65,7 +65,12 @@ def add_parser(sub) -> None:
         help="loss: cross-entropy over the output's last axis (classes), MSE to a tensor of the output's "
         "shape (same), or the output's sum",
     )
-    p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none", help="autocast (factories)")
+    p.add_argument(
+        "--amp",
+        choices=["none", "bf16", "fp16"],
+        default="none",
+        help="autocast for a module factory or a model by name (a TrainStep sets its own amp_dtype)",
+    )
     p.add_argument(
         "--task",
         help="an hf: model's head instead of config.json's architectures: causal-lm, masked-lm, seq2seq-lm, "
@@ -84,7 +89,12 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--accumulate", help="micro-batches (forward + backward each) per optimizer step")
     p.add_argument("--top", type=int, default=10, help="how many tensor groups to list")
-    p.add_argument("--explain", action="store_true", help="what-ifs: SDPA, bf16, checkpointing, half batch")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="what-ifs: SDPA, bf16 autocast, checkpointing each block, half the batch, and where they apply "
+        "LoRA r=16 and SGD instead of an Adam; with the batch scaling and whether the step fits",
+    )
     p.add_argument("--scale", help="fit the activation exponent over 1x-4x of: batch, input:AXIS, or a knob")
     p.add_argument("--gpu_gib", type=float, help="largest batch that fits a GPU of this many GiB")
     p.add_argument(
@@ -105,9 +115,9 @@ def add_parser(sub) -> None:
         "'layers\\.\\d+', or '\\d+' for the children of a Sequential); default: the repeated blocks, else "
         "the whole model as one unit (the report says which)",
     )
-    p.add_argument("--max_batch", type=int, default=4096)
+    p.add_argument("--max_batch", type=int, default=4096, help=MAX_BATCH_HELP)
     p.add_argument("--json", action="store_true", help="everything as one JSON object")
-    p.add_argument("--timeline", metavar="PNG", help="draw memory over the step to this PNG file")
+    p.add_argument("--timeline", metavar="PNG", help="draw memory over the step to this .png file")
     p.add_argument("--snapshot", metavar="PICKLE", help=SNAPSHOT_HELP)
     p.set_defaults(func=_run)
 

@@ -410,10 +410,14 @@ def pickled(snap: dict[str, Any]) -> bytes:
 
 def check_path(path: str | Path, flag: str) -> Path:
     """The file `path` can be written (an existing file is replaced); else one line naming why: a folder,
-    a missing folder, or a location this user cannot write."""
+    a timeline not named .png, a missing folder, or a location this user cannot write."""
     p = Path(path)
     if p.is_dir():
         raise UsageError(f"error: {flag} {path} is a folder; give a file name, e.g. {p / default_name(flag)}")
+    if flag == "--timeline" and p.suffix.lower() != ".png":  # the picture is drawn as a PNG only
+        raise UsageError(
+            f"error: {flag} {path}: the timeline is a PNG image; name it {p.with_suffix('.png')}"
+        )
     if not p.parent.is_dir():
         raise UsageError(f"error: {flag} {path}: no folder {p.parent}; create it or give another path")
     if not os.access(p.parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):

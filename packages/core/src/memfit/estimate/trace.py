@@ -19,6 +19,7 @@ and ``--scale``), or, with ``--input``, ``func`` is a module factory fed fake in
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import importlib.util
 import inspect
@@ -586,8 +587,22 @@ def load_target(spec: str, *args, **kwargs) -> Target:
     the arguments. Raises UsageError for every user mistake."""
     child.note("while importing the target")
     fn, spec = _load_callable(spec)
+    if isinstance(
+        fn, nn.Module
+    ):  # a model built at import (MODEL = Net()): taken as memfit.estimate takes it
+        fn = copying_factory(fn)
     child.note("while building the model")
     return make_target(fn, spec, *args, **kwargs)
+
+
+def copying_factory(model: nn.Module) -> Callable[[], nn.Module]:
+    """A factory of a model already built: a copy each call, the model itself never changed (the fake copy
+    the estimate needs is made from a real copy by build_model's fallback)."""
+
+    def factory() -> nn.Module:
+        return copy.deepcopy(model)
+
+    return factory
 
 
 def make_target(
@@ -659,6 +674,11 @@ def make_target(
         raise UsageError(
             f"error: {spec}() returned {type(probe).__name__}; it must return a memfit.memory.TrainStep, "
             "or be a module factory used with --input SHAPE"
+        )
+    if amp != "none":  # as --input: what a factory's step is made with, a TrainStep says itself
+        raise UsageError(
+            f"error: --amp sets a module factory's autocast and {spec}() returns a TrainStep; drop --amp, "
+            "or set the TrainStep's amp_dtype"
         )
 
     def make_step(k: dict[str, int]) -> TrainStep:
