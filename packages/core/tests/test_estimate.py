@@ -432,6 +432,10 @@ BAD = [
     (["{f}:good", "--input", "2x8", "--gpu_gib", "1e-9"], "nothing fits"),
     (["{f}:good", "--input", "2x8", "--scale", "tokens"], "not a knob of this target"),
     (
+        ["{f}:good", "--input", "2x8", "--shard", "fsdp"],
+        "--shard fsdp splits the state over ranks; give --ranks",
+    ),
+    (
         ["{f}:branchy", "--input", "2x8"],
         "in the forward of the model itself (Branchy): DataDependentOutputException: aten._local_scalar_dense"
         ".default (the step reads a tensor's value (a branch on it, .item(), nonzero): the estimate's fake "

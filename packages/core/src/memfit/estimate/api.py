@@ -55,6 +55,8 @@ def estimate(
         )
     if fsdp_units is not None and (shard != "fsdp" or ranks < 2):
         raise UsageError("error: --fsdp_units names FSDP's units; give it with --shard fsdp --ranks N, N > 1")
+    if shard == "fsdp" and ranks < 2:  # one rank holds everything: the figure would be the plain estimate
+        raise UsageError("error: --shard fsdp splits the state over ranks; give --ranks N, N > 1, with it")
     if gpu_gib is not None and not (math.isfinite(gpu_gib) and 0 < gpu_gib <= MAX_GPU_GIB):
         raise UsageError(
             f"error: --gpu_gib must be a positive number of GiB up to {MAX_GPU_GIB}, got {gpu_gib:g}"
