@@ -775,6 +775,9 @@ def test_python_api_returns_the_cli_json(capsys):
     before = model.weight.detach().clone()
     same = memfit.estimate(model, (8, 64))
     assert torch.equal(model.weight, before) and same.trace.report.params == 650
+    # a list of whole numbers is one shape, as the tuple is; a list of shapes is one per input
+    assert memfit.estimate(model, [8, 64]).peak_bytes == same.peak_bytes
+    assert memfit.estimate(model, [[8, 64]]).peak_bytes == same.peak_bytes
 
 
 @pytest.mark.parametrize(

@@ -162,7 +162,8 @@ def estimate_model(
 
     ``model``: an ``nn.Module`` (copied, never changed) or a function that builds one (cheaper: the
     estimate then builds it with fake tensors). ``inputs``: one shape (``"8x3x224x224"``, ``(8, 3, 224,
-    224)``, a tensor, or ``"8x1024:int64"``) or a list of them, one per positional input. ``dtype``
+    224)`` or ``[8, 3, 224, 224]``, a tensor, or ``"8x1024:int64"``) or a list of them, one per positional
+    input. ``dtype``
     applies to inputs without one (default: token ids when the first layer is an ``nn.Embedding``, else
     float32); ``loss``: "classes", "same" or "sum" (as ``--target``); ``amp``: None, "bf16" or "fp16";
     ``device``: "cpu" or "cuda" (the kernels a CUDA run takes); ``explain``: the what-ifs (and the batch
@@ -218,13 +219,15 @@ def estimate_model(
 
 
 def _input_texts(inputs: str | tuple[int, ...] | torch.Tensor | list) -> list[str]:
-    """The Python API's inputs as --input texts."""
-    specs = inputs if isinstance(inputs, list) else [inputs]
+    """The Python API's inputs as --input texts. A list of whole numbers is one shape, as a tuple is
+    (``[8, 1024]``); any other list holds one shape per positional input."""
+    one_shape = isinstance(inputs, list) and inputs and all(isinstance(s, int) for s in inputs)
+    specs = inputs if isinstance(inputs, list) and not one_shape else [inputs]
     texts = []
     for s in specs:
         if isinstance(s, torch.Tensor):
             s = "x".join(map(str, s.shape)) + ":" + str(s.dtype).removeprefix("torch.")
-        elif isinstance(s, tuple):
+        elif isinstance(s, (tuple, list)):
             s = "x".join(map(str, s))
         texts.append(str(s))
     return texts
