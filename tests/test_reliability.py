@@ -1034,7 +1034,7 @@ def test_fsdp_units_are_said_and_named_by_a_regex_matching_two_real_gloo_ranks(t
     [
         (
             ["--shard", "fsdp", "--ranks", "2", "--fsdp_units", "blocks"],
-            "--fsdp_units 'blocks' matches no module",
+            r"--fsdp_units 'blocks' matches no module name (whole); give one that does, e.g. one of \d+",
         ),
         (
             ["--shard", "fsdp", "--ranks", "2", "--fsdp_units", "("],

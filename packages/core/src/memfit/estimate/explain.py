@@ -51,6 +51,7 @@ from memfit.estimate.trace import (
     fmt_bytes,
     log2_fit,
     merge_paths,
+    module_pattern,
     trace_step,
     trace_target,
 )
@@ -161,10 +162,16 @@ def unit_modules(model: nn.Module, pattern: str | None = None) -> list[tuple[str
         if name and rx.fullmatch(name) and not any(name.startswith(u + ".") for u, _ in units):
             units.append((name, module))
     if not units:
-        names = [n for n, _ in model.named_modules() if n]
-        shown = merge_paths(set(names[:200])) if names else "(the model has no submodules)"
+        # the model's names, repeated layers once, written as patterns that match them (`layers.\d+`)
+        names = list(
+            dict.fromkeys(module_pattern(n).replace("*", r"\d+") for n, _ in model.named_modules() if n)
+        )
+        if not names:
+            raise UsageError(f"error: --fsdp_units {pattern!r}: the model has no submodules; leave it out")
+        shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
         raise UsageError(
-            f"error: --fsdp_units {pattern!r} matches no module name (whole); the names are like {shown}"
+            f"error: --fsdp_units {pattern!r} matches no module name (whole); give one that does, e.g. one "
+            f"of {shown}"
         )
     return units
 
