@@ -432,6 +432,10 @@ BAD = [
     (["{f}:good", "--input", "2x8", "--gpu_gib", "1e-9"], "nothing fits"),
     (["{f}:good", "--input", "2x8", "--scale", "tokens"], "not a knob of this target"),
     (
+        ["{f}:bad_optimizer"],
+        "failed while building the optimizer: ValueError: Invalid learning rate: -1 (check the optimizer's",
+    ),
+    (
         ["{f}:good", "--input", "2x8", "--shard", "fsdp"],
         "--shard fsdp splits the state over ranks; give --ranks",
     ),
@@ -488,6 +492,17 @@ def test_cli_estimate_bad_input_is_one_line_exit_2(tmp_path, capfd, argv, messag
 
             def branchy():
                 return Branchy()
+
+            def bad_optimizer():
+                from memfit.step import TrainStep
+
+                return TrainStep(
+                    build_model=Small,
+                    make_batch=lambda d: torch.randn(2, 8, device=d),
+                    loss=lambda m, x: m(x).sum(),
+                    optimizer=lambda params: torch.optim.SGD(params, lr=-1),
+                    amp_dtype=None,
+                )
             """
         )
     )

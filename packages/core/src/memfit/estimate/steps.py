@@ -159,7 +159,11 @@ def _tracked_steps(
     with tracker, on_device, contextlib.ExitStack() as later:
         tracker.category, tracker.phase = "params", "build"
         model = build_model(step, tracker) if fake else step.build_model()
-        opt = step.optimizer(model.parameters())
+        try:
+            opt = step.optimizer(model.parameters())
+        except Exception as exc:
+            exc.memfit_optimizer = True  # type: ignore[attr-defined]  # its own words, not "building the model"
+            raise
         handles = tracker.instrument(model)
         handles.append(model.register_forward_hook(model_done))
         for name, child in model.named_children():

@@ -727,6 +727,8 @@ def failure_text(exc: BaseException) -> str:
             if path
             else f" in the forward of the model itself ({cls or '?'})"
         )
+    elif phase == "build" and getattr(exc, "memfit_optimizer", False):
+        where = " while building the optimizer"
     elif phase == "build" and cls:
         where += f" (in {cls}.__init__)"
     return f"the training step failed{where}: {type(exc).__name__}: {first_line(exc, 300)}"
@@ -737,6 +739,8 @@ _VALUE_READS = ("DataDependentOutputException", "DynamicOutputShapeException", "
 
 
 def _hint(target: Target, exc: BaseException) -> str:
+    if getattr(exc, "memfit_optimizer", False):
+        return "check the optimizer's settings: build it yourself on the model's parameters"
     if getattr(exc, "memfit_phase", None) == "build":
         return "check that the model builds: call the factory yourself"
     if type(exc).__name__ in _VALUE_READS:
