@@ -127,7 +127,11 @@ def test_plain_preflight_bad_settings_are_one_line():
 
     with pytest.raises(UsageError, match="the training step failed") as e:
         memfit.preflight(DataDependent(), torch.randn(4, 8), lambda m, x: m(x), gpu_gib=8)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and "fake-tensor" in str(e.value)
+    # the model's own loss needs labels: said as that, not as a step the tracer cannot follow
+    with pytest.raises(UsageError, match="and no loss: with no loss_fn the step takes the model's own") as e:
+        memfit.preflight(model, {"input_ids": batch["input_ids"]}, gpu_gib=8)
+    assert "add the labels, or give a loss_fn" in str(e.value) and "fake-tensor" not in str(e.value)
     if not torch.cuda.is_available():
         with pytest.raises(UsageError, match="give gpu_gib"):
             memfit.preflight(model, batch)

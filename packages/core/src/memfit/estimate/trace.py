@@ -735,7 +735,7 @@ def failure_text(exc: BaseException) -> str:
 
 
 # what fake tensors raise where a step reads a tensor's value (a branch on it, .item(), nonzero's size)
-_VALUE_READS = ("DataDependentOutputException", "DynamicOutputShapeException", "GuardOnDataDependentSymNode")
+VALUE_READS = ("DataDependentOutputException", "DynamicOutputShapeException", "GuardOnDataDependentSymNode")
 
 
 def _hint(target: Target, exc: BaseException) -> str:
@@ -743,7 +743,7 @@ def _hint(target: Target, exc: BaseException) -> str:
         return "check the optimizer's settings: build it yourself on the model's parameters"
     if getattr(exc, "memfit_phase", None) == "build":
         return "check that the model builds: call the factory yourself"
-    if type(exc).__name__ in _VALUE_READS:
+    if type(exc).__name__ in VALUE_READS:
         return (
             "the step reads a tensor's value (a branch on it, .item(), nonzero): the estimate's fake "
             "tensors have shapes but no values; make the step depend on shapes only"

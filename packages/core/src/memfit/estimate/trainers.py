@@ -45,7 +45,7 @@ from memfit.errors import UsageError
 from memfit.estimate import EstimateResult, estimate, explain
 from memfit.estimate.fit import CPU_OVERHEAD, MARGIN, MAX_GPU_GIB, usable_bytes
 from memfit.estimate.target import DeviceTarget
-from memfit.estimate.trace import Target, fmt_bytes
+from memfit.estimate.trace import VALUE_READS, Target, fmt_bytes
 from memfit.estimate.tracker import GIB, WORKSPACES
 from memfit.step import TrainStep, default_optimizer
 
@@ -309,7 +309,14 @@ def loss_of(out: Any) -> torch.Tensor:
 def own_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The model's own loss: ``model(**batch).loss`` (a Hugging Face model given labels)."""
     out = model(**batch) if isinstance(batch, Mapping) else model(batch)
-    return loss_of(out)
+    try:
+        return loss_of(out)
+    except TypeError:
+        raise TypeError(
+            f"the model returned {type(out).__name__} and no loss: with no loss_fn the step takes the "
+            "model's own (a Hugging Face model computes one from a dict batch that holds labels, e.g. "
+            "{'input_ids': ids, 'labels': ids}); add the labels, or give a loss_fn(model, batch)"
+        ) from None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -470,11 +477,16 @@ def check(target: Target, gpu_gib: float | None = None, margin: float = MARGIN, 
     except UsageError as e:
         if not str(e).startswith("error: the training step failed"):
             raise
-        why = str(e).rsplit(" (check", 1)[0]
-        raise Untraceable(
-            f"{why} (a branch on a tensor's values, or a kernel without a fake-tensor implementation, cannot "
-            "be traced: see docs/will-it-fit.md)"
-        ) from e
+        why = str(e).rsplit(" (check", 1)[0].rsplit(" (the step reads", 1)[0]
+        cause = e.__cause__
+        if type(cause).__name__ in VALUE_READS or isinstance(cause, NotImplementedError):
+            hint = (
+                "a branch on a tensor's values, or a kernel without a fake-tensor implementation, cannot be "
+                "traced: see docs/will-it-fit.md"
+            )
+        else:  # the step's own error: a real step fails there too
+            hint = "the step fails as written: check the batch, the loss and the model's forward"
+        raise Untraceable(f"{why} ({hint})") from e
     needed = explain.rank_needs(result.trace, ranks, "ddp", 0, target.device)
     got = Check(result, target.knobs["batch"], needed, have, where, margin, time.perf_counter() - t0, ranks)
     result.fits = explain.Fits(where, needed, got.usable, None)
