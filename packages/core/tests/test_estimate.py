@@ -431,6 +431,7 @@ BAD = [
     (["{f}:good", "--input", "2x8", "--gpu_gib", "-1"], "--gpu_gib must be a positive number of GiB"),
     (["{f}:good", "--input", "2x8", "--gpu_gib", "1e-9"], "nothing fits"),
     (["{f}:good", "--input", "2x8", "--scale", "tokens"], "not a knob of this target"),
+    (["{f}:good", "--input", "2x8", "--margin", "0.2"], "--margin is the share of the memory kept free"),
     (
         ["{f}:bad_optimizer"],
         "failed while building the optimizer: ValueError: Invalid learning rate: -1 (check the optimizer's",

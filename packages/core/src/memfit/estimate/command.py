@@ -47,6 +47,11 @@ def _report(args) -> str:
         if args.device == "cpu":
             raise UsageError("error: --measure compares a CUDA estimate with the GPU: drop --device cpu")
     cuda_default = args.gpu_gib is not None or args.measure
+    if args.margin is not None and args.gpu_gib is None and not args.explain:
+        raise UsageError(
+            "error: --margin is the share of the memory kept free when judging a fit; give it with --gpu_gib "
+            "(or --explain, which judges the memory this machine has)"
+        )
     margin = MARGIN if args.margin is None else args.margin
     on = DeviceTarget.from_flags(
         args.device or ("cuda" if cuda_default else "cpu"), args.gpu, False if args.no_cuda_kernels else None
