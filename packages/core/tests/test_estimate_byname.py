@@ -112,6 +112,8 @@ def test_a_large_accumulate_gives_the_figures_of_a_few_micro_batches_at_once(hf_
     start = time.process_time()
     many = estimate_model(spec, "2x64", accumulate=1000)
     assert time.process_time() - start < 5 and many.peak_bytes == five.peak_bytes
+    assert "note: 3 of the 1000 micro-batches per step traced" in many.target.describe
+    assert "micro-batches per step traced" not in estimate_model(spec, "2x64", accumulate=3).target.describe
     cuda = [estimate_model(spec, "2x64", accumulate=n, device="cuda") for n in (5, 1000)]
     assert len({(r.peak_bytes, r.reserved_bytes, r.total_bytes) for r in cuda}) == 1
 

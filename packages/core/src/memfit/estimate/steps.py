@@ -206,6 +206,11 @@ def _tracked_steps(
             "the optimizer step reads tensor values (.item() or a branch on a tensor) that an estimate does "
             f"not have: assumed {values}; its state and temporaries are counted in full"
         )
+    if micro < step.accumulate:
+        notes.append(
+            f"{micro} of the {step.accumulate} micro-batches per step traced (each one after the first "
+            "repeats the last: the same figures); a timeline or snapshot shows those"
+        )
     return MemoryReport(
         peak_bytes=tracker.peak,
         by_category=dict(tracker.peak_by_category),
