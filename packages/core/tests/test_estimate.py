@@ -353,6 +353,12 @@ def test_cli_estimate_takes_a_module_built_at_import_as_the_python_api_does(tmp_
     code, out, err = _run(capsys, f"{f}:MODEL", "--input", "2x8", "--json")
     assert code == 0, err
     assert json.loads(out)["peak_gib"] == memfit.estimate(nn.Linear(8, 8), "2x8").to_dict()["peak_gib"]
+    # without --input a built model is named as one, not as a function that "returns a module"
+    code, out, err = _run(capsys, f"{f}:MODEL")
+    assert code == 2 and out == "", err
+    assert err.strip() == (
+        f"memfit estimate: error: {f}:MODEL is a model already built (Linear): give its input shape, e.g. --input 8x3x224x224"
+    ), err
 
 
 def test_cli_estimate_trainstep_file_with_a_batch_knob(tmp_path, capsys):
@@ -808,6 +814,13 @@ def test_python_api_returns_the_cli_json(capsys):
             {"optimizer": torch.optim.SGD([nn.Parameter(torch.zeros(1))])},
             "optimizer is an instance of SGD, not a torch.optim class",
         ),
+        # the checks the command line shares name the keywords here, not its flags
+        ({"gpu_gib": -1}, "error: gpu_gib must be a positive number of GiB"),
+        ({"ranks": 2, "shard": "fsdp", "fsdp_units": "zzz"}, "error: fsdp_units='zzz': the model has no"),
+        ({"shard": "fsdp"}, "shard='fsdp' splits the state over ranks; give ranks=N, N > 1, with it"),
+        ({"margin": 0.2}, "error: margin is the share of the memory kept free"),
+        ({"lora": 0}, "error: lora"),
+        ({"accumulate": 0}, "error: accumulate"),
     ],
 )
 def test_python_api_refuses_a_wrong_type_or_choice_in_one_line(kw, message):
@@ -817,6 +830,7 @@ def test_python_api_refuses_a_wrong_type_or_choice_in_one_line(kw, message):
     with pytest.raises(UsageError, match="^error: ") as info:
         memfit.estimate(lambda: nn.Linear(8, 4), "2x8", **kw)
     assert message in str(info.value) and "\n" not in str(info.value)
+    assert "--" not in str(info.value), info.value
 
 
 def test_python_api_takes_an_optimizer_class_as_its_name():

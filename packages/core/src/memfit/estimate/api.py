@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Callable
 
 import torch
@@ -97,6 +98,17 @@ def estimate(
     return result
 
 
+def margin_or_default(margin: float | None, gpu_gib: float | None, what_ifs: bool) -> float:
+    """``--margin`` judges a fit: refused where nothing is judged (no ``--gpu_gib``, no ``--explain``),
+    where it would be dropped silently; MARGIN when not given."""
+    if margin is not None and gpu_gib is None and not what_ifs:
+        raise UsageError(
+            "error: --margin is the share of the memory kept free when judging a fit; give it with --gpu_gib "
+            "(or --explain, which judges the memory this machine has)"
+        )
+    return MARGIN if margin is None else margin
+
+
 def _check_types(gpu_gib, margin, ranks, top, max_batch) -> None:
     """A keyword of the wrong type from Python (``gpu_gib="24"``) is one line, as a bad value is (the
     command line's argparse converts them)."""
@@ -145,7 +157,7 @@ def estimate_model(
     explain: bool = False,
     scale: str | None = None,
     gpu_gib: float | None = None,
-    margin: float = MARGIN,
+    margin: float | None = None,
     ranks: int = 1,
     shard: str = "ddp",
     top: int = 10,
@@ -181,7 +193,87 @@ def estimate_model(
     defaults) and ``accumulate`` (micro-batches per optimizer step).
     The result's ``to_dict()`` is what ``memfit estimate --json`` prints; on CUDA its three figures are
     ``allocated_bytes`` (the allocator peak, also ``peak_bytes``), ``reserved_bytes`` and ``total_bytes``.
+    Bad input raises ``memfit.errors.UsageError``: one line that names the keyword (``gpu_gib``, not the
+    command line's ``--gpu_gib``) and the fix.
     """
+    try:
+        return _estimate_model(**locals())
+    except UsageError as e:  # the shared checks speak the command line's flags: say the keywords here
+        raise UsageError(in_python_terms(str(e))) from None
+
+
+# A flag the command line and memfit.estimate share -> the keyword it is in Python
+KEYWORDS = {
+    "--input": "inputs",
+    "--target": "loss",
+    "--explain": "explain=True",
+    "--no_cuda_kernels": "cuda_kernels=False",
+    **{
+        f"--{k}": k
+        for k in (
+            *("dtype", "amp", "device", "scale", "gpu_gib", "margin", "ranks", "shard", "top", "gpu"),
+            *("task", "lora", "freeze", "optimizer", "accumulate", "fsdp_units"),
+        )
+    },
+}
+_FLAG = re.compile(
+    r"--(?P<flag>[a-z_]+)(?![a-z_])"
+    # a value after it: quoted, a number or shape, a placeholder (N, REGEX), or a choice
+    r"(?: (?P<value>'[^']*'|\d(?:[^\s,;)]*[^\s,;):.])?|[A-Z][A-Z_]*\b(?![a-z])|bf16|fp16|cuda|cpu|fsdp|ddp)"
+    r"(?=[\s,;:.)]|$))?"
+)
+
+
+def in_python_terms(message: str) -> str:
+    """An error line of the shared checks with memfit.estimate's keywords for the command line's flags:
+    ``--gpu_gib must be`` -> ``gpu_gib must be``, ``--input 8x3x224x224`` -> ``inputs='8x3x224x224'``,
+    ``--lora 0`` -> ``lora=0``. Flags the Python API has no keyword for (``--timeline``) stay."""
+
+    def keyword(m: re.Match) -> str:
+        name, value = KEYWORDS.get("--" + m["flag"]), m["value"]
+        if name is None:
+            return m[0]
+        if value is None or "=" in name:
+            return name + ("" if value is None else " " + value)
+        if not (value.startswith("'") or value.isupper() or _is_number(value)):
+            value = repr(value)
+        return f"{name}={value}"
+
+    return _FLAG.sub(keyword, message)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _estimate_model(
+    model,
+    inputs,
+    *,
+    dtype,
+    loss,
+    amp,
+    device,
+    explain,
+    scale,
+    gpu_gib,
+    margin,
+    ranks,
+    shard,
+    top,
+    cuda_kernels,
+    gpu,
+    task,
+    lora,
+    freeze,
+    optimizer,
+    accumulate,
+    fsdp_units,
+) -> EstimateResult:
     ft = finetune.parse(lora, freeze, optimizer, accumulate)
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -211,7 +303,7 @@ def estimate_model(
             what_ifs=explain,
             scale=scale,
             gpu_gib=gpu_gib,
-            margin=margin,
+            margin=margin_or_default(margin, gpu_gib, explain),
             ranks=ranks,
             shard=shard,
             fsdp_units=fsdp_units,

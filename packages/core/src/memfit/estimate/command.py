@@ -8,9 +8,8 @@ import sys
 
 from memfit.errors import UsageError, run_command
 from memfit.estimate import finetune
-from memfit.estimate.api import estimate
+from memfit.estimate.api import estimate, margin_or_default
 from memfit.estimate.byname import load_target
-from memfit.estimate.fit import MARGIN
 from memfit.estimate.target import DeviceTarget
 from memfit.estimate.trace import (
     fmt_bytes,
@@ -47,12 +46,7 @@ def _report(args) -> str:
         if args.device == "cpu":
             raise UsageError("error: --measure compares a CUDA estimate with the GPU: drop --device cpu")
     cuda_default = args.gpu_gib is not None or args.measure
-    if args.margin is not None and args.gpu_gib is None and not args.explain:
-        raise UsageError(
-            "error: --margin is the share of the memory kept free when judging a fit; give it with --gpu_gib "
-            "(or --explain, which judges the memory this machine has)"
-        )
-    margin = MARGIN if args.margin is None else args.margin
+    margin = margin_or_default(args.margin, args.gpu_gib, args.explain)
     on = DeviceTarget.from_flags(
         args.device or ("cuda" if cuda_default else "cpu"), args.gpu, False if args.no_cuda_kernels else None
     )

@@ -587,9 +587,13 @@ def load_target(spec: str, *args, **kwargs) -> Target:
     the arguments. Raises UsageError for every user mistake."""
     child.note("while importing the target")
     fn, spec = _load_callable(spec)
-    if isinstance(
-        fn, nn.Module
-    ):  # a model built at import (MODEL = Net()): taken as memfit.estimate takes it
+    if isinstance(fn, nn.Module):  # built at import (MODEL = Net()): taken as memfit.estimate takes it
+        inputs = args[0] if args else kwargs.get("inputs")
+        if not inputs:  # nothing to call it with: a built model is not a TrainStep function
+            raise UsageError(
+                f"error: {spec} is a model already built ({type(fn).__name__}): give its input shape, "
+                "e.g. --input 8x3x224x224"
+            )
         fn = copying_factory(fn)
     child.note("while building the model")
     return make_target(fn, spec, *args, **kwargs)
