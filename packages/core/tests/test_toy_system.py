@@ -176,3 +176,42 @@ def test_toy_system_trains_evaluates_and_resumes_through_the_contract(toy, tmp_p
     with pytest.raises(SystemExit) as e:  # a checkpoint of this system, another config
         bare.train_main(["--system", NAME, *runs, "--config", "small", "--run_name", "r", "--resume"])
     assert e.value.code == 2 and "width 8 -> 32" in capsys.readouterr().err
+
+
+def _train(tmp_path, *argv):
+    bare.train_main(["--system", NAME, "--runs_dir", str(tmp_path), "--no_progress", "--amp", "none",
+                     "--steps", "2", *argv])  # fmt: skip
+
+
+def _memfit(capsys, *argv) -> tuple[int, str]:
+    """(exit status, the last line of stderr) of `memfit ARGV`."""
+    from memfit import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(argv))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert "Traceback" not in "\n".join(err), err
+    return e.value.code, err[-1] if err else ""
+
+
+def test_an_exports_eval_never_lands_in_a_run_of_the_same_name(toy, tmp_path, capsys):
+    """An exported folder is read only, so its eval results go beside the runs: under exported/<its folder
+    name>/, a name `train` refuses, not runs_dir/<system>/<its folder name>/, where a run of that name keeps
+    its own results."""
+    _train(tmp_path, "--run_name", "r")
+    _train(tmp_path, "--run_name", "exp", "--lr", "0.001")
+    runs = ["--runs_dir", str(tmp_path)]
+    bare.eval_main(["--system", NAME, "--run", "exp", *runs])
+    own = tmp_path / NAME / "exp" / "eval" / "eval.json"
+    before = own.read_text()
+    folder = tmp_path / "elsewhere" / "exp"  # an export of run r that happens to be called like run exp
+    assert _memfit(capsys, "export", str(tmp_path / NAME / "r"), "--out", str(folder))[0] == 0
+    exported = sorted(p.name for p in folder.iterdir())
+    bare.eval_main(["--system", NAME, "--run", str(folder), *runs])
+    assert own.read_text() == before  # the run's results are its own
+    result = json.loads((tmp_path / NAME / "exported" / "exp" / "eval" / "eval.json").read_text())
+    assert result["mse"] != json.loads(before)["mse"]
+    assert sorted(p.name for p in folder.iterdir()) == exported  # nothing written into the export
+    with pytest.raises(SystemExit) as e:  # and no run can take the folder these results live in
+        _train(tmp_path, "--run_name", "exported")
+    assert e.value.code == 2 and "run_name 'exported' is kept" in capsys.readouterr().err

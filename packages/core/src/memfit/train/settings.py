@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from memfit.errors import UsageError, os_error_message
 from memfit.train.config import DECAY, STEPS, check_config
-from memfit.train.flags import BooleanFlag, Parser
+from memfit.train.flags import EXPORTED, BooleanFlag, Parser
 
 CONFIG_NAME = "config.json"  # the settings a run was started with, in its run folder
 SETTINGS_FORMAT = 1
@@ -99,7 +99,8 @@ class LoopConfig:
 
 def check_run_name(name: str) -> None:
     """A run name is one path component of letters, digits, '-', '_' and '.', so a run folder always
-    stays inside runs_dir/<system>/ (not '', '.', '..', 'a/b' or an absolute path), and not 'shipped'."""
+    stays inside runs_dir/<system>/ (not '', '.', '..', 'a/b' or an absolute path), and not 'shipped' or
+    'exported' (the names eval gives the results of a package's own weights and of exported models)."""
     if not isinstance(name, str) or not RUN_NAME.match(name) or name in (".", ".."):
         raise ValueError(
             f"run_name must be one folder name of letters, digits, '-', '_' and '.', got {name!r} "
@@ -108,6 +109,11 @@ def check_run_name(name: str) -> None:
     if name == "shipped":  # `--run shipped` names a package's own weights, never a run folder
         raise ValueError(
             "run_name 'shipped' is kept for a package's own weights (`--run shipped`); choose another"
+        )
+    if name == EXPORTED:  # runs_dir/<system>/exported/ holds the eval results of exported models
+        raise ValueError(
+            f"run_name {EXPORTED!r} is kept for the eval results of exported models "
+            f"(runs_dir/<system>/{EXPORTED}/); choose another"
         )
 
 
