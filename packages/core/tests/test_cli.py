@@ -125,6 +125,23 @@ def test_budget_unknown_system_is_clear(capsys):
     assert e.value.code == 2 and "memfit: error: unknown system 'nope'" in capsys.readouterr().err
 
 
+def test_export_names_an_unknown_system_and_the_installed_ones(tmp_path, capsys):
+    """--system bogus is a typo to name, not a system memfit 'cannot tell'; a run whose config.json names
+    a system that is not installed says so."""
+    installed = ", ".join(sorted(available_systems()))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"system": "ghost"}))
+    for argv, says in [
+        (["--system", "bogus"], f"memfit: error: unknown system 'bogus'; installed systems: {installed}"),
+        ([], f"error: {tmp_path / 'run'} is a ghost run, which is not installed; installed: {installed}"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out"), *argv])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.endswith(says) and "\n" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_largest_batch_search_is_exact():
     from memfit.estimate.fit import largest_batch
 

@@ -196,6 +196,9 @@ def _run_system(run: str, system: str | None, runs_dir: str) -> tuple[str, Path]
     """(system name, run path) for `memfit export`: the system from --system, the run's config.json or
     checkpoint, or the only system with a run of that name under runs_dir."""
     path = Path(run)
+    installed = ", ".join(sorted(available_systems())) or "none installed"
+    if system is not None and system not in available_systems():
+        raise UsageError(f"error: unknown system {system!r}; installed systems: {installed}")
     if system is None and not path.exists():
         found = [p.parent.name for p in Path(runs_dir).glob(f"*/{run}") if p.is_dir()]
         if len(found) != 1:
@@ -218,6 +221,8 @@ def _run_system(run: str, system: str | None, runs_dir: str) -> tuple[str, Path]
                 system = load_checkpoint(files[0]).get("system") if files else None
             except ValueError as e:
                 raise UsageError(f"error: {e}") from None
+    if isinstance(system, str) and system not in available_systems():  # a run of a system not installed
+        raise UsageError(f"error: {run} is a {system} run, which is not installed; installed: {installed}")
     if system not in available_systems():
         raise UsageError(f"error: cannot tell the system of {run}; pass --system SYSTEM")
     return system, path
