@@ -215,3 +215,24 @@ def test_an_exports_eval_never_lands_in_a_run_of_the_same_name(toy, tmp_path, ca
     with pytest.raises(SystemExit) as e:  # and no run can take the folder these results live in
         _train(tmp_path, "--run_name", "exported")
     assert e.value.code == 2 and "run_name 'exported' is kept" in capsys.readouterr().err
+
+
+def test_an_export_exports_as_a_copy_that_keeps_what_it_says_of_its_run(toy, tmp_path, capsys):
+    """An exported folder given to `memfit export` is copied (weights checked by loading them) with its
+    meta whole; --out inside it is refused naming it, not its parent folder."""
+    from safetensors.torch import load_file
+
+    _train(tmp_path, "--run_name", "r", "--steps", "10")
+    bare.eval_main(["--system", NAME, "--run", "r", "--runs_dir", str(tmp_path)])
+    first, second = tmp_path / "out" / "a", tmp_path / "out" / "b"
+    assert _memfit(capsys, "export", str(tmp_path / NAME / "r"), "--out", str(first))[0] == 0
+    assert _memfit(capsys, "export", str(first), "--out", str(second))[0] == 0
+    meta = json.loads((first / "config.json").read_text())["meta"]
+    assert meta["best"]["step"] == 10 and meta["evaluations"]["eval.json"]["step"] == 10
+    assert json.loads((second / "config.json").read_text())["meta"] == meta
+    weights = [load_file(folder / "model.safetensors") for folder in (first, second)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert (first / "README.md").read_text() == (second / "README.md").read_text()
+    code, line = _memfit(capsys, "export", str(first), "--out", str(first / "inner"))
+    assert code == 2 and f"--out {first / 'inner'} is inside the input {first}:" in line, line

@@ -292,7 +292,8 @@ def _main(argv: list[str] | None = None) -> int:
         p.add_argument("args", nargs=argparse.REMAINDER)
         p.set_defaults(func=_run_extra, cmd=kind)
     p = sub.add_parser("export", help="a trained run as model.safetensors + config.json + a model card")
-    p.add_argument("run", help="a run folder, a checkpoint file, or a run name (with --system or unique)")
+    p.add_argument("run", help="a run folder, a checkpoint file, a run name (with --system or unique), or an "
+                   "exported folder (copied, with what it says of its run)")  # fmt: skip
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--system", help="the run's system (default: read from the run)")
     p.add_argument("--runs_dir", default="runs", help="where run names are looked up (default %(default)s)")
