@@ -31,6 +31,13 @@ def test_pick_system_rules(monkeypatch):
     assert bare.pick_system(["--system=alpha"]) == ("alpha", [])
     with pytest.raises(UsageError, match="Installed: alpha, beta"):
         bare.pick_system(["--steps", "3"])
+    with pytest.raises(UsageError) as e:  # each script names its own forms, never the other's
+        bare.pick_system(["--run", "r"], "eval")
+    line = str(e.value)
+    assert all(
+        f in line for f in ("`memfit eval <system>`", "`eval --system <system>`", "--package <system> eval`")
+    )
+    assert "train" not in line, line
     with pytest.raises(UsageError, match="unknown system 'gamma'"):
         bare.pick_system(["--system", "gamma"])
     monkeypatch.setattr(bare, "uv_run_package", lambda: "beta")  # `uv run --package beta train`
