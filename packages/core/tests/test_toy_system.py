@@ -236,3 +236,28 @@ def test_an_export_exports_as_a_copy_that_keeps_what_it_says_of_its_run(toy, tmp
     assert (first / "README.md").read_text() == (second / "README.md").read_text()
     code, line = _memfit(capsys, "export", str(first), "--out", str(first / "inner"))
     assert code == 2 and f"--out {first / 'inner'} is inside the input {first}:" in line, line
+
+
+def test_a_wrong_or_empty_run_names_a_command_that_exists(toy, tmp_path, capsys):
+    """The hints of load_model's refusals (another system's checkpoint, a folder without one) are commands
+    that run: `memfit eval S` / `memfit train S`, not `S eval`, which no script answers to."""
+    import re
+    from dataclasses import replace
+
+    from memfit.errors import ModelFileError, ModelFileMissing
+
+    _train(tmp_path, "--run_name", "r")
+    other = register(replace(SYSTEM, name="toy-other"))
+    try:
+        with pytest.raises(ModelFileError) as wrong:
+            other.load_model(tmp_path / NAME / "r")
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(ModelFileMissing) as empty:
+            SYSTEM.load_model(tmp_path / "empty")
+    finally:
+        unregister("toy-other")
+    hints = [re.findall(r"`([^`]+)`", str(e.value)) for e in (wrong, empty)]
+    assert hints == [[f"memfit eval {NAME}"], [f"memfit train {NAME}"]], hints
+    for (hint,) in hints:  # each one answers (its --help) rather than being unknown
+        code, _ = _memfit(capsys, *hint.split()[1:], "--help")
+        assert code == 0, hint

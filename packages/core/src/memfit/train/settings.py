@@ -313,7 +313,8 @@ def read_config_file(path: str | Path, system: str) -> dict[str, Any]:
         raise UsageError(f"error: --config {path}: expected a JSON object (a run's config.json)")
     if doc.get("system") not in (None, system):
         raise UsageError(
-            f"error: --config {path} holds {doc['system']} settings, not {system}; use that system's train"
+            f"error: --config {path} holds {doc['system']} settings, not {system}; use "
+            f"`memfit train {doc['system']}`"
         )
     unknown = sorted(set(doc) - {"format", "system", "preset", "config", "train", "loop", "meta"})
     if unknown:
