@@ -149,6 +149,29 @@ def test_export_names_an_unknown_system_and_the_installed_ones(tmp_path, capsys)
     assert not (tmp_path / "out").exists()
 
 
+def test_plot_says_what_it_was_given_where_a_run_folder_or_a_png_is_expected(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    (run / "ckpt_0000001.pt").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    fix = f"pass the run folder that holds it: `memfit plot {run}`"
+    metrics, ckpt, png = run / "metrics.jsonl", run / "ckpt_0000001.pt", tmp_path / "curves.png"
+    folder = f"--out {tmp_path} is a folder; give the PNG file to write, e.g. {png}"
+    for argv, says in [
+        ([str(metrics)], f"{metrics} is the run's metrics file, not a run folder; {fix}"),
+        ([str(ckpt)], f"{ckpt} is a file, not a run folder; {fix}"),
+        ([str(tmp_path / "notes.txt")], "notes.txt is a file, not a run folder; pass a run folder that"),
+        ([str(tmp_path / "nope")], f"{tmp_path / 'nope'} does not exist; pass a run folder that"),
+        ([str(run), "--out", str(tmp_path)], folder),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["plot", *argv])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and says in err and "\n" not in err, err
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt_0000001.pt", "metrics.jsonl"]
+
+
 def test_largest_batch_search_is_exact():
     from memfit.estimate.fit import largest_batch
 
