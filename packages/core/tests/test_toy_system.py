@@ -261,3 +261,19 @@ def test_a_wrong_or_empty_run_names_a_command_that_exists(toy, tmp_path, capsys)
     for (hint,) in hints:  # each one answers (its --help) rather than being unknown
         code, _ = _memfit(capsys, *hint.split()[1:], "--help")
         assert code == 0, hint
+
+
+def test_resume_of_a_run_name_that_holds_no_run_is_refused_naming_the_runs(toy, tmp_path, capsys):
+    """--resume --run_name TYPO is one line naming the runs there, and starts nothing; a bare --resume
+    with no run yet still starts one (the name is the default, not a typo)."""
+    _train(tmp_path, "--run_name", "r")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        _train(tmp_path, "--run_name", "rr", "--resume")
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err, err
+    assert f"--resume: no run 'rr' in {tmp_path / NAME} (its runs: r); pass the --run_name of a run" in err
+    assert sorted(p.name for p in (tmp_path / NAME).iterdir()) == ["r"]
+    _train(tmp_path, "--resume")  # the default run name: a first --resume starts the run
+    assert (tmp_path / NAME / "run" / "ckpt_0000002.pt").exists()
+    assert "no checkpoint in" in capsys.readouterr().err

@@ -455,7 +455,12 @@ class TrainParser:
             help=f"a preset ({choices}; default {self.default}) or a run's config.json, whose settings the "
             "flags then override; on --resume the run's own config.json is the default",
         )
-        g.add_argument("--resume", action="store_true", help="continue the run in the run folder")
+        g.add_argument(
+            "--resume",
+            action="store_true",
+            help="continue the run in the run folder (a --run_name that holds no run is refused, naming "
+            "those that do; without --run_name, a run not started yet starts)",
+        )
         g.add_argument(
             "--overwrite",
             action="store_true",
@@ -707,6 +712,10 @@ class TrainParser:
             note_warmup(tree, flags, self._named("train.warmup", "flags"))
         if args.resume and args.overwrite:
             raise UsageError("error: --resume and --overwrite contradict each other; pick one")
+        if args.resume and "loop.run_name" in given | set(flags):  # a name given that holds no run: a typo
+            from memfit.train.run_dir import refuse_missing_run
+
+            refuse_missing_run(tree.loop.run_dir(self.system))
         if tree.loop.threads is not None:  # before data and model are built, not only once training starts
             from memfit.train.cpu import set_threads
 
