@@ -31,6 +31,13 @@ def test_pick_system_rules(monkeypatch):
     assert bare.pick_system(["--system=alpha"]) == ("alpha", [])
     with pytest.raises(UsageError, match="Installed: alpha, beta"):
         bare.pick_system(["--steps", "3"])
+    with pytest.raises(UsageError) as e:  # each script names its own forms, never the other's
+        bare.pick_system(["--run", "r"], "eval")
+    line = str(e.value)
+    assert all(
+        f in line for f in ("`memfit eval <system>`", "`eval --system <system>`", "--package <system> eval`")
+    )
+    assert "train" not in line, line
     with pytest.raises(UsageError, match="unknown system 'gamma'"):
         bare.pick_system(["--system", "gamma"])
     monkeypatch.setattr(bare, "uv_run_package", lambda: "beta")  # `uv run --package beta train`
@@ -123,6 +130,46 @@ def test_budget_unknown_system_is_clear(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["budget", "--system", "nope"])
     assert e.value.code == 2 and "memfit: error: unknown system 'nope'" in capsys.readouterr().err
+
+
+def test_export_names_an_unknown_system_and_the_installed_ones(tmp_path, capsys):
+    """--system bogus is a typo to name, not a system memfit 'cannot tell'; a run whose config.json names
+    a system that is not installed says so."""
+    installed = ", ".join(sorted(available_systems()))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"system": "ghost"}))
+    for argv, says in [
+        (["--system", "bogus"], f"memfit: error: unknown system 'bogus'; installed systems: {installed}"),
+        ([], f"error: {tmp_path / 'run'} is a ghost run, which is not installed; installed: {installed}"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out"), *argv])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.endswith(says) and "\n" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_plot_says_what_it_was_given_where_a_run_folder_or_a_png_is_expected(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    (run / "ckpt_0000001.pt").write_bytes(b"")
+    (tmp_path / "notes.txt").write_text("")
+    fix = f"pass the run folder that holds it: `memfit plot {run}`"
+    metrics, ckpt, png = run / "metrics.jsonl", run / "ckpt_0000001.pt", tmp_path / "curves.png"
+    folder = f"--out {tmp_path} is a folder; give the PNG file to write, e.g. {png}"
+    for argv, says in [
+        ([str(metrics)], f"{metrics} is the run's metrics file, not a run folder; {fix}"),
+        ([str(ckpt)], f"{ckpt} is a file, not a run folder; {fix}"),
+        ([str(tmp_path / "notes.txt")], "notes.txt is a file, not a run folder; pass a run folder that"),
+        ([str(tmp_path / "nope")], f"{tmp_path / 'nope'} does not exist; pass a run folder that"),
+        ([str(run), "--out", str(tmp_path)], folder),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            cli.main(["plot", *argv])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and says in err and "\n" not in err, err
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt_0000001.pt", "metrics.jsonl"]
 
 
 def test_largest_batch_search_is_exact():

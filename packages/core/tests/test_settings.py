@@ -200,7 +200,9 @@ def test_config_file_sits_between_the_preset_and_the_flags(tmp_path):
     with pytest.raises(UsageError, match=r"train.oops in --config .*bad.json is not a setting"):
         parser().parse(["--config", str(tmp_path / "bad.json")])
     (tmp_path / "other.json").write_text(json.dumps({"system": "gpt2-window"}))
-    with pytest.raises(UsageError, match="holds gpt2-window settings"):
+    with pytest.raises(
+        UsageError, match="holds gpt2-window settings, not toy; use `memfit train gpt2-window`"
+    ):
         parser().parse(["--config", str(tmp_path / "other.json")])
 
 

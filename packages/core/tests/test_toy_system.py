@@ -176,3 +176,104 @@ def test_toy_system_trains_evaluates_and_resumes_through_the_contract(toy, tmp_p
     with pytest.raises(SystemExit) as e:  # a checkpoint of this system, another config
         bare.train_main(["--system", NAME, *runs, "--config", "small", "--run_name", "r", "--resume"])
     assert e.value.code == 2 and "width 8 -> 32" in capsys.readouterr().err
+
+
+def _train(tmp_path, *argv):
+    bare.train_main(["--system", NAME, "--runs_dir", str(tmp_path), "--no_progress", "--amp", "none",
+                     "--steps", "2", *argv])  # fmt: skip
+
+
+def _memfit(capsys, *argv) -> tuple[int, str]:
+    """(exit status, the last line of stderr) of `memfit ARGV`."""
+    from memfit import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(argv))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert "Traceback" not in "\n".join(err), err
+    return e.value.code, err[-1] if err else ""
+
+
+def test_an_exports_eval_never_lands_in_a_run_of_the_same_name(toy, tmp_path, capsys):
+    """An exported folder is read only, so its eval results go beside the runs: under exported/<its folder
+    name>/, a name `train` refuses, not runs_dir/<system>/<its folder name>/, where a run of that name keeps
+    its own results."""
+    _train(tmp_path, "--run_name", "r")
+    _train(tmp_path, "--run_name", "exp", "--lr", "0.001")
+    runs = ["--runs_dir", str(tmp_path)]
+    bare.eval_main(["--system", NAME, "--run", "exp", *runs])
+    own = tmp_path / NAME / "exp" / "eval" / "eval.json"
+    before = own.read_text()
+    folder = tmp_path / "elsewhere" / "exp"  # an export of run r that happens to be called like run exp
+    assert _memfit(capsys, "export", str(tmp_path / NAME / "r"), "--out", str(folder))[0] == 0
+    exported = sorted(p.name for p in folder.iterdir())
+    bare.eval_main(["--system", NAME, "--run", str(folder), *runs])
+    assert own.read_text() == before  # the run's results are its own
+    result = json.loads((tmp_path / NAME / "exported" / "exp" / "eval" / "eval.json").read_text())
+    assert result["mse"] != json.loads(before)["mse"]
+    assert sorted(p.name for p in folder.iterdir()) == exported  # nothing written into the export
+    with pytest.raises(SystemExit) as e:  # and no run can take the folder these results live in
+        _train(tmp_path, "--run_name", "exported")
+    assert e.value.code == 2 and "run_name 'exported' is kept" in capsys.readouterr().err
+
+
+def test_an_export_exports_as_a_copy_that_keeps_what_it_says_of_its_run(toy, tmp_path, capsys):
+    """An exported folder given to `memfit export` is copied (weights checked by loading them) with its
+    meta whole; --out inside it is refused naming it, not its parent folder."""
+    from safetensors.torch import load_file
+
+    _train(tmp_path, "--run_name", "r", "--steps", "10")
+    bare.eval_main(["--system", NAME, "--run", "r", "--runs_dir", str(tmp_path)])
+    first, second = tmp_path / "out" / "a", tmp_path / "out" / "b"
+    assert _memfit(capsys, "export", str(tmp_path / NAME / "r"), "--out", str(first))[0] == 0
+    assert _memfit(capsys, "export", str(first), "--out", str(second))[0] == 0
+    meta = json.loads((first / "config.json").read_text())["meta"]
+    assert meta["best"]["step"] == 10 and meta["evaluations"]["eval.json"]["step"] == 10
+    assert json.loads((second / "config.json").read_text())["meta"] == meta
+    weights = [load_file(folder / "model.safetensors") for folder in (first, second)]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    assert (first / "README.md").read_text() == (second / "README.md").read_text()
+    code, line = _memfit(capsys, "export", str(first), "--out", str(first / "inner"))
+    assert code == 2 and f"--out {first / 'inner'} is inside the input {first}:" in line, line
+
+
+def test_a_wrong_or_empty_run_names_a_command_that_exists(toy, tmp_path, capsys):
+    """The hints of load_model's refusals (another system's checkpoint, a folder without one) are commands
+    that run: `memfit eval S` / `memfit train S`, not `S eval`, which no script answers to."""
+    import re
+    from dataclasses import replace
+
+    from memfit.errors import ModelFileError, ModelFileMissing
+
+    _train(tmp_path, "--run_name", "r")
+    other = register(replace(SYSTEM, name="toy-other"))
+    try:
+        with pytest.raises(ModelFileError) as wrong:
+            other.load_model(tmp_path / NAME / "r")
+        (tmp_path / "empty").mkdir()
+        with pytest.raises(ModelFileMissing) as empty:
+            SYSTEM.load_model(tmp_path / "empty")
+    finally:
+        unregister("toy-other")
+    hints = [re.findall(r"`([^`]+)`", str(e.value)) for e in (wrong, empty)]
+    assert hints == [[f"memfit eval {NAME}"], [f"memfit train {NAME}"]], hints
+    for (hint,) in hints:  # each one answers (its --help) rather than being unknown
+        code, _ = _memfit(capsys, *hint.split()[1:], "--help")
+        assert code == 0, hint
+
+
+def test_resume_of_a_run_name_that_holds_no_run_is_refused_naming_the_runs(toy, tmp_path, capsys):
+    """--resume --run_name TYPO is one line naming the runs there, and starts nothing; a bare --resume
+    with no run yet still starts one (the name is the default, not a typo)."""
+    _train(tmp_path, "--run_name", "r")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        _train(tmp_path, "--run_name", "rr", "--resume")
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err, err
+    assert f"--resume: no run 'rr' in {tmp_path / NAME} (its runs: r); pass the --run_name of a run" in err
+    assert sorted(p.name for p in (tmp_path / NAME).iterdir()) == ["r"]
+    _train(tmp_path, "--resume")  # the default run name: a first --resume starts the run
+    assert (tmp_path / NAME / "run" / "ckpt_0000002.pt").exists()
+    assert "no checkpoint in" in capsys.readouterr().err

@@ -65,8 +65,8 @@ def uv_run_package(max_depth: int = 4) -> str | None:
     return None
 
 
-def pick_system(argv: list[str]) -> tuple[str, list[str]]:
-    """Decide which system a bare `train`/`eval` call is for; returns (name, remaining argv)."""
+def pick_system(argv: list[str], kind: str = "train") -> tuple[str, list[str]]:
+    """Decide which system a bare `train`/`eval` call (`kind`) is for; returns (name, remaining argv)."""
     systems = available_systems()
     choices = ", ".join(sorted(systems)) or "(none installed)"
     rest = list(argv)
@@ -93,8 +93,8 @@ def pick_system(argv: list[str]) -> tuple[str, list[str]]:
                 name = None  # `uv run --package memfit-core train`: a package, but not a system
     if name is None:
         raise UsageError(
-            "error: which system? Several are installed; say `memfit train <system>` (or `memfit eval`), "
-            f"`train --system <system>` or `uv run --package <system> train`. Installed: {choices}"
+            f"error: which system? Several are installed; say `memfit {kind} <system>`, `{kind} --system "
+            f"<system>` or `uv run --package <system> {kind}`. Installed: {choices}"
         )
     if name not in systems:
         raise UsageError(f"error: unknown system {name!r}; installed systems: {choices}")
@@ -107,7 +107,7 @@ def _dispatch(kind: str, argv: list[str] | None) -> None:
         for name in sorted(available_systems()):
             print(name)
         return
-    name, rest = pick_system(argv)
+    name, rest = pick_system(argv, kind)
     system = load_system(name)
     sys.argv[0] = f"{name} {kind}"  # argparse's prog: `--help` says which system answered
     status = run_command(sys.argv[0], system.entry(kind), rest)

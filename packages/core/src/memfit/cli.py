@@ -196,6 +196,9 @@ def _run_system(run: str, system: str | None, runs_dir: str) -> tuple[str, Path]
     """(system name, run path) for `memfit export`: the system from --system, the run's config.json or
     checkpoint, or the only system with a run of that name under runs_dir."""
     path = Path(run)
+    installed = ", ".join(sorted(available_systems())) or "none installed"
+    if system is not None and system not in available_systems():
+        raise UsageError(f"error: unknown system {system!r}; installed systems: {installed}")
     if system is None and not path.exists():
         found = [p.parent.name for p in Path(runs_dir).glob(f"*/{run}") if p.is_dir()]
         if len(found) != 1:
@@ -218,6 +221,8 @@ def _run_system(run: str, system: str | None, runs_dir: str) -> tuple[str, Path]
                 system = load_checkpoint(files[0]).get("system") if files else None
             except ValueError as e:
                 raise UsageError(f"error: {e}") from None
+    if isinstance(system, str) and system not in available_systems():  # a run of a system not installed
+        raise UsageError(f"error: {run} is a {system} run, which is not installed; installed: {installed}")
     if system not in available_systems():
         raise UsageError(f"error: cannot tell the system of {run}; pass --system SYSTEM")
     return system, path
@@ -287,7 +292,8 @@ def _main(argv: list[str] | None = None) -> int:
         p.add_argument("args", nargs=argparse.REMAINDER)
         p.set_defaults(func=_run_extra, cmd=kind)
     p = sub.add_parser("export", help="a trained run as model.safetensors + config.json + a model card")
-    p.add_argument("run", help="a run folder, a checkpoint file, or a run name (with --system or unique)")
+    p.add_argument("run", help="a run folder, a checkpoint file, a run name (with --system or unique), or an "
+                   "exported folder (copied, with what it says of its run)")  # fmt: skip
     p.add_argument("--out", required=True, help="the folder to write")
     p.add_argument("--system", help="the run's system (default: read from the run)")
     p.add_argument("--runs_dir", default="runs", help="where run names are looked up (default %(default)s)")

@@ -187,7 +187,9 @@ class System:
         if path.is_dir():  # best.pt (for which="best"), then the checkpoints newest first: as --resume does
             candidates = checkpoint_candidates(path, which)
             if not candidates:
-                raise ModelFileMissing(f"error: no checkpoint in {path}; train first (`{self.name} train`)")
+                raise ModelFileMissing(
+                    f"error: no checkpoint in {path}; train first (`memfit train {self.name}`)"
+                )
         else:
             candidates = [path]
 
@@ -195,7 +197,7 @@ class System:
             if state.get("system") != self.name:  # UsageError, not ValueError: load_intact lets it through
                 raise UsageError(
                     f"error: {file} is a {state.get('system')} checkpoint, not {self.name}; "
-                    f"pass a {self.name} run (or use `{state.get('system')} eval`)"
+                    f"pass a {self.name} run (or use `memfit eval {state.get('system')}`)"
                 )
             try:
                 cfg = from_dict(config_cls, state["config"])

@@ -1,6 +1,7 @@
 """Exported models: a folder that rebuilds a trained model without memfit's trainer or any pickle.
 
-    memfit export RUN --out DIR          (RUN: a run folder, a checkpoint file, or a run name with --system)
+    memfit export RUN --out DIR          (RUN: a run folder, a checkpoint file, or a run name with --system;
+                                          an exported folder is copied, keeping what it says of its run)
 
 writes ``DIR/model.safetensors`` (the weights; a run's weight average when it kept one), ``DIR/config.json``
 (``{"format": 1, "system", "config": the model config, "meta": what eval needs and the run's figures}``)
@@ -173,21 +174,41 @@ def _ordinary_mode(path: Path) -> None:
 def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Path = "runs",
                overwrite: bool = False) -> Path:  # fmt: skip
     """Write the export folder of a run (its best.pt, else its newest intact checkpoint) to `out`: the three
-    files whole or none of them (memfit.train.outputs); a non-empty `out` only with `overwrite`."""
+    files whole or none of them (memfit.train.outputs); a non-empty `out` only with `overwrite`. `run` may
+    be an export folder itself (the shipped weights among them): `out` is then a copy of it, its weights
+    checked by loading them, that keeps what it says of the run it came from (best, evaluations, source)."""
     from safetensors.torch import save_model
 
     model, state = system.load_model(run, "cpu", runs_dir=runs_dir)
-    source = Path(state["path"])
-    run_dir = source.parent
+    source = Path(state["path"])  # the checkpoint file loaded, or an export's folder
+    copy = is_export(source)
+    run_dir = source if copy else source.parent
     out = Path(out)
-    check_outputs([out], [run_dir], overwrite=True, flag="--out")  # never into the run it reads
+    check_outputs([out], [run_dir], overwrite=True, flag="--out")  # never into the run or export it reads
     if out.exists() and not out.is_dir():
         raise UsageError(f"error: --out {out} is a file; give a folder to export into")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise UsageError(
             f"error: --out {out} is not empty; pass --overwrite to replace its files, or another --out"
         )
-    meta = {
+    if copy:  # its meta already says where it came from; the export folder has no eval/ or metrics
+        meta = {**(state.get("meta") or {}), "params": sum(p.numel() for p in model.parameters())}
+    else:
+        meta = _run_meta(state, model, run_dir, source)
+    doc = {"format": CHECKPOINT_FORMAT, "memfit_version": memfit_version(), "system": system.name,
+           "config": state["config"], "meta": meta}  # fmt: skip
+    tags = {"system": system.name, "format": str(CHECKPOINT_FORMAT)}
+    with output_files([out / WEIGHTS, out / CONFIG, out / CARD], overwrite=True) as (weights, config, card):
+        save_model(model, str(weights), metadata=tags)
+        _ordinary_mode(weights)
+        config.write_text(json.dumps(doc, indent=2) + "\n")
+        card.write_text(model_card(system, state["config"], meta))
+    return out
+
+
+def _run_meta(state: dict[str, Any], model: Any, run_dir: Path, source: Path) -> dict[str, Any]:
+    """An export's meta from a run's checkpoint: what eval needs, the run's figures and where it came from."""
+    return {
         **(state.get("meta") or {}),
         "step": state.get("step"),
         "best": state.get("best"),
@@ -198,15 +219,6 @@ def export_run(system: Any, run: str | Path, out: str | Path, runs_dir: str | Pa
         "source": str(source),
         "exported": time.strftime("%Y-%m-%d %H:%M"),
     }
-    doc = {"format": CHECKPOINT_FORMAT, "memfit_version": memfit_version(), "system": system.name,
-           "config": state["config"], "meta": meta}  # fmt: skip
-    tags = {"system": system.name, "format": str(CHECKPOINT_FORMAT)}
-    with output_files([out / WEIGHTS, out / CONFIG, out / CARD], overwrite=True) as (weights, config, card):
-        save_model(model, str(weights), metadata=tags)
-        _ordinary_mode(weights)
-        config.write_text(json.dumps(doc, indent=2) + "\n")
-        card.write_text(model_card(system, state["config"], meta))
-    return out
 
 
 def load_export(system: Any, path: str | Path, device: str | torch.device = "cpu", **overrides: Any):

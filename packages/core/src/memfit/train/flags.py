@@ -15,6 +15,11 @@ from typing import Any
 from memfit.errors import UsageError
 from memfit.train.config import check_fields
 
+# The folder under --runs_dir/<system>/ that holds the eval results of exported models (one subfolder per
+# export, by its folder name). `train` refuses it as a run name (memfit.train.settings.check_run_name), so
+# an export's results can never land in, or replace, a real run's eval/.
+EXPORTED = "exported"
+
 
 def summary_of(module: str, whole: bool = False) -> str:
     """The first line of ``module``'s docstring (``whole``: all of it), read from its source without
@@ -115,8 +120,9 @@ def add_eval_args(
         g.add_argument(
             "--out",
             default=None,
-            help="output folder (default: <run folder>/eval; for an exported or shipped model, which is "
-            f"never written to: --runs_dir/{system}/<its folder name>/eval)",
+            help="output folder (default: <run folder>/eval; for an exported model, which is never written "
+            f"to: --runs_dir/{system}/{EXPORTED}/<its folder name>/eval"
+            + (f"; for the shipped weights: --runs_dir/{system}/shipped/eval)" if shipped else ")"),
         )
         g.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -129,9 +135,11 @@ def eval_out_dir(
 ) -> Path:
     """--out, or <run folder>/eval (the run's own: a new eval replaces its files); created here so an
     unwritable location fails before the work. An exported folder (the shipped weights among them) is
-    read, never written: its results go to --runs_dir/<system>/<name>/eval (`name`: the folder's name by
-    default). --out may not lie inside an input (`inputs`, e.g. --data, and the model), and a non-empty
-    --out needs --overwrite (memfit.train.outputs.output_dir)."""
+    read, never written: its results go to --runs_dir/<system>/exported/<its folder name>/eval, a folder
+    no run can have (`train` refuses the run name "exported"), so an export named like a run never
+    replaces that run's results; `name` (e.g. "shipped", itself a name no run can have) puts them in
+    --runs_dir/<system>/<name>/eval instead. --out may not lie inside an input (`inputs`, e.g. --data, and
+    the model), and a non-empty --out needs --overwrite (memfit.train.outputs.output_dir)."""
     from memfit.train.export import is_export
     from memfit.train.outputs import output_dir
 
@@ -140,7 +148,8 @@ def eval_out_dir(
     if args.out:
         out = Path(args.out)
     elif exported:
-        out = Path(args.runs_dir) / args.eval_system / (name or model_folder.name) / "eval"
+        where = [name] if name else [EXPORTED, model_folder.resolve().name]
+        out = Path(args.runs_dir, args.eval_system, *where, "eval")
     else:
         out = model_folder / "eval"
     read_only = [model_folder] if exported else []

@@ -20,6 +20,21 @@ def read_metrics(run: Path) -> list[dict]:
     return [row for _, row in read_rows(path)]
 
 
+def check_run_folder(run: Path) -> None:
+    """UsageError, one line saying what `run` is, unless it is a folder: a path that does not exist, or a
+    file (the run's metrics.jsonl or a checkpoint: the command to plot the folder that holds it)."""
+    if not run.exists():
+        raise UsageError(f"error: {run} does not exist; pass a run folder that `train` wrote "
+                         "(runs/<system>/<run_name>)")  # fmt: skip
+    if not run.is_dir():
+        what = "the run's metrics file" if run.name == METRICS_NAME else "a file"
+        if (run.parent / METRICS_NAME).is_file():
+            fix = f"pass the run folder that holds it: `memfit plot {run.parent}`"
+        else:
+            fix = "pass a run folder that `train` wrote (it holds metrics.jsonl)"
+        raise UsageError(f"error: {run} is {what}, not a run folder; {fix}")
+
+
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     pts = [(r["step"], float(r[key])) for r in rows if isinstance(r.get(key), (int, float))]
     pts = [(s, v) for s, v in pts if math.isfinite(v)]
@@ -29,6 +44,10 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 def plot_run(run: Path, out: Path | None = None, overwrite: bool = False) -> Path:
     """Write the run's curves (loss and learning rate; one panel per validation metric) to `out`, a PNG
     (default: the run's own curves.png, replaced each time); an existing `out` only with `overwrite`."""
+    check_run_folder(run)
+    if out is not None and out.is_dir():
+        example = out / "curves.png"
+        raise UsageError(f"error: --out {out} is a folder; give the PNG file to write, e.g. {example}")
     if out is not None and out.suffix.lower() != ".png":
         raise UsageError(f"error: --out {out}: plot writes a PNG; give a file name ending in .png")
     if out is not None:  # refused before the work: never over the metrics, never over a file unasked

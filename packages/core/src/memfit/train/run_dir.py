@@ -52,6 +52,32 @@ def holds_run(run_dir: Path) -> bool:
     )
 
 
+def run_names(base: Path) -> list[str]:
+    """The names of the folders in `base` (runs_dir/<system>) that hold a run, sorted."""
+    try:
+        return sorted(p.name for p in base.iterdir() if p.is_dir() and holds_run(p))
+    except OSError:  # no such folder (no run yet), or unreadable: no names to offer
+        return []
+
+
+def refuse_missing_run(run_dir: Path, most: int = 10) -> None:
+    """`--resume --run_name NAME` where runs_dir/<system>/NAME holds nothing of a run (no checkpoint, no
+    metrics, no config.json; most likely a typo): one line naming the runs there (at most `most`), rather
+    than a fresh run started under the misspelt name. A folder with a run's config.json but no checkpoint
+    yet (a run stopped before its first save) is resumed from step 0, as a bare --resume is."""
+    from memfit.train.settings import CONFIG_NAME
+
+    if holds_run(run_dir) or (run_dir / CONFIG_NAME).is_file():
+        return
+    names = run_names(run_dir.parent)
+    shown = ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+    there = f"its runs: {shown}" if names else "it holds none"
+    raise UsageError(
+        f"error: --resume: no run {run_dir.name!r} in {run_dir.parent} ({there}); pass the --run_name of a "
+        "run to continue, or leave out --resume to start a new one"
+    )
+
+
 class RunFolder:
     """Claims a run folder for one trainer: create, refuse or clear, lock; release() gives it back."""
 

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from memfit.errors import UsageError, os_error_message
 from memfit.train.config import DECAY, STEPS, check_config
-from memfit.train.flags import BooleanFlag, Parser
+from memfit.train.flags import EXPORTED, BooleanFlag, Parser
 
 CONFIG_NAME = "config.json"  # the settings a run was started with, in its run folder
 SETTINGS_FORMAT = 1
@@ -99,7 +99,8 @@ class LoopConfig:
 
 def check_run_name(name: str) -> None:
     """A run name is one path component of letters, digits, '-', '_' and '.', so a run folder always
-    stays inside runs_dir/<system>/ (not '', '.', '..', 'a/b' or an absolute path), and not 'shipped'."""
+    stays inside runs_dir/<system>/ (not '', '.', '..', 'a/b' or an absolute path), and not 'shipped' or
+    'exported' (the names eval gives the results of a package's own weights and of exported models)."""
     if not isinstance(name, str) or not RUN_NAME.match(name) or name in (".", ".."):
         raise ValueError(
             f"run_name must be one folder name of letters, digits, '-', '_' and '.', got {name!r} "
@@ -108,6 +109,11 @@ def check_run_name(name: str) -> None:
     if name == "shipped":  # `--run shipped` names a package's own weights, never a run folder
         raise ValueError(
             "run_name 'shipped' is kept for a package's own weights (`--run shipped`); choose another"
+        )
+    if name == EXPORTED:  # runs_dir/<system>/exported/ holds the eval results of exported models
+        raise ValueError(
+            f"run_name {EXPORTED!r} is kept for the eval results of exported models "
+            f"(runs_dir/<system>/{EXPORTED}/); choose another"
         )
 
 
@@ -307,7 +313,8 @@ def read_config_file(path: str | Path, system: str) -> dict[str, Any]:
         raise UsageError(f"error: --config {path}: expected a JSON object (a run's config.json)")
     if doc.get("system") not in (None, system):
         raise UsageError(
-            f"error: --config {path} holds {doc['system']} settings, not {system}; use that system's train"
+            f"error: --config {path} holds {doc['system']} settings, not {system}; use "
+            f"`memfit train {doc['system']}`"
         )
     unknown = sorted(set(doc) - {"format", "system", "preset", "config", "train", "loop", "meta"})
     if unknown:
@@ -448,7 +455,12 @@ class TrainParser:
             help=f"a preset ({choices}; default {self.default}) or a run's config.json, whose settings the "
             "flags then override; on --resume the run's own config.json is the default",
         )
-        g.add_argument("--resume", action="store_true", help="continue the run in the run folder")
+        g.add_argument(
+            "--resume",
+            action="store_true",
+            help="continue the run in the run folder (a --run_name that holds no run is refused, naming "
+            "those that do; without --run_name, a run not started yet starts)",
+        )
         g.add_argument(
             "--overwrite",
             action="store_true",
@@ -700,6 +712,10 @@ class TrainParser:
             note_warmup(tree, flags, self._named("train.warmup", "flags"))
         if args.resume and args.overwrite:
             raise UsageError("error: --resume and --overwrite contradict each other; pick one")
+        if args.resume and "loop.run_name" in given | set(flags):  # a name given that holds no run: a typo
+            from memfit.train.run_dir import refuse_missing_run
+
+            refuse_missing_run(tree.loop.run_dir(self.system))
         if tree.loop.threads is not None:  # before data and model are built, not only once training starts
             from memfit.train.cpu import set_threads
 
