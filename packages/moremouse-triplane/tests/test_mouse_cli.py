@@ -96,3 +96,24 @@ def test_cpu_recipe_renders_with_the_input_view_through_train_and_eval(tmp_path)
     assert cfg["view_features"] == 32 and cfg["carve"] > 0
     res = mouse_eval.main(["--run", str(run), "--num_scenes", "1", "--device", "cpu"])
     assert res["views"] == 4 and 5.0 < res["psnr"] < 60.0
+
+
+@pytest.mark.parametrize(
+    "scenes, val, says",
+    [
+        (12, "4", "validation on 3 of --data's 12 scenes, held out of training (--val_scenes 4: a quarter at "
+         "most), every 2 steps"),
+        (3, "4", "no validation: --data has 3 scenes, too few to hold one out"),
+        (None, "0", "no validation (--val_scenes 0), so no best.pt"),
+        (None, "1", "validation on 1 held-out generated scenes (the val split), every 2 steps"),
+    ],
+)  # fmt: skip
+def test_the_first_line_says_how_many_scenes_validation_holds_out(tmp_path, capsys, scenes, val, says):
+    data = ()
+    if scenes:
+        export_scenes(tmp_path / "data", scenes, 32, seed=0, split="train")
+        data = ("--data", str(tmp_path / "data"))
+    argv = [*FAST, "--val_scenes", val, "--eval_every", "2", "--steps", "1", "--runs_dir", str(tmp_path)]
+    mouse_train.main([*argv, "--rays_per_scene", "8", *data])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("[mouse-train] preset"))
+    assert says in line, line
