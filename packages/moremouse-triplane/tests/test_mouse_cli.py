@@ -105,7 +105,7 @@ def test_cpu_recipe_renders_with_the_input_view_through_train_and_eval(tmp_path)
          "most), every 2 steps"),
         (3, "4", "no validation: --data has 3 scenes, too few to hold one out"),
         (None, "0", "no validation (--val_scenes 0), so no best.pt"),
-        (None, "1", "validation on 1 held-out generated scenes (the val split), every 2 steps"),
+        (None, "1", "validation on 1 held-out generated scene (the val split), every 2 steps"),
     ],
 )  # fmt: skip
 def test_the_first_line_says_how_many_scenes_validation_holds_out(tmp_path, capsys, scenes, val, says):
@@ -117,3 +117,17 @@ def test_the_first_line_says_how_many_scenes_validation_holds_out(tmp_path, caps
     mouse_train.main([*argv, "--rays_per_scene", "8", *data])
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("[mouse-train] preset"))
     assert says in line, line
+
+
+def test_eval_checkpoint_best_of_a_run_without_best_pt_says_it_uses_the_latest(tmp_path, capsys):
+    _train(tmp_path, "noval", "--steps", "2", "--save_every", "1", "--val_scenes", "0", "--keep_last", "2")
+    run = tmp_path / "moremouse-triplane" / "noval"
+    assert not (run / "best.pt").exists()
+    capsys.readouterr()
+    res = mouse_eval.main(["--run", str(run), "--num_scenes", "1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert res["checkpoint"].endswith("ckpt_0000002.pt")
+    assert f"--checkpoint best: {run} has no best.pt" in err
+    assert "using its latest checkpoint, ckpt_0000002.pt" in err
+    mouse_eval.main(["--run", str(run), "--num_scenes", "1", "--checkpoint", "latest"])
+    assert "best.pt" not in capsys.readouterr().err  # asked for the latest: nothing to say

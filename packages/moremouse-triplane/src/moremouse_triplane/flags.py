@@ -33,7 +33,8 @@ def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--checkpoint",
         default="best",
         choices=["best", "latest"],
-        help="which checkpoint of a run folder (default best.pt)",
+        help="which checkpoint of a run folder: best (default) is best.pt, or the latest checkpoint, saying "
+        "so, where the run kept no best.pt (it did not validate)",
     )
     add_eval_args(p, "moremouse-triplane")
     args = p.parse_args(argv)

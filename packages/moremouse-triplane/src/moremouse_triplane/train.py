@@ -107,20 +107,14 @@ def validation(source, t, seed: int):
         total = len(source)
         source, held = source.split(t.val_scenes)
         if not len(held):
-            return (
-                source,
-                {},
-                (
-                    f"no validation: --data has {total} scene{'' if total == 1 else 's'}, too few to hold one "
-                    "out (a quarter at most is held out: 4 scenes hold out 1), so no best.pt"
-                ),
-            )
+            few = f"--data has {total} scene{'' if total == 1 else 's'}, too few to hold one out"
+            return source, {}, f"no validation: {few} (a quarter at most is; 4 hold out 1), so no best.pt"
         where = f"{len(held)} of --data's {total} scenes, held out of training"
         if len(held) < t.val_scenes:
             where += f" (--val_scenes {t.val_scenes}: a quarter at most)"
     else:
         held = SyntheticScenes(source.image_size, seed=seed, split="val")
-        where = f"{t.val_scenes} held-out generated scenes (the val split)"
+        where = f"{t.val_scenes} held-out generated scene{'' if t.val_scenes == 1 else 's'} (the val split)"
     scenes = [held.eval_scene(i) for i in range(min(t.val_scenes, len(held)))]
 
     def eval_fn(model) -> dict[str, float]:
