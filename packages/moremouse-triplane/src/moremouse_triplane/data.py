@@ -305,9 +305,12 @@ class FolderScenes:
     """Scenes from a folder of renders (layout in the module docstring), all validated on load."""
 
     def __init__(self, root: str | Path, image_size: int) -> None:
-        root = Path(root)
+        root = Path(root).expanduser()
+        layout = f"expected scene folders inside: {root / 'scene_000' / 'cameras.json'}, 000.png, ..."
+        if not root.exists():
+            raise FileNotFoundError(f"--data {root}: no such folder ({layout})")
         if not root.is_dir():
-            raise FileNotFoundError(f"--data {root}: no such folder (expected scene_*/cameras.json inside)")
+            raise FileNotFoundError(f"--data {root} is a file, not a folder ({layout})")
         dirs = sorted(p.parent for p in root.glob("*/cameras.json"))
         if not dirs:
             raise FileNotFoundError(

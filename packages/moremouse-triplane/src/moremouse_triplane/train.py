@@ -13,10 +13,11 @@ that `eval` scores by default is never seen here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from memfit.errors import UsageError
-from memfit.train.settings import TrainParser
+from memfit.train.settings import TrainParser, TrainRun
 
 from moremouse_triplane.config import SETTINGS
 
@@ -90,6 +91,16 @@ def build_parser() -> TrainParser:
     return p
 
 
+def absolute_paths(run: TrainRun) -> TrainRun:
+    """The run with --data made absolute: config.json and the checkpoints then name the same data from any
+    working directory (an eval or a --resume started elsewhere)."""
+    t = run.settings.train
+    if t.data in (None, "", "synthetic"):
+        return run
+    data = os.path.abspath(os.path.expanduser(t.data))
+    return replace(run, settings=replace(run.settings, train=replace(t, data=data)))
+
+
 def validation(source, t, seed: int):
     """(training source, Trainer keyword arguments that validate on held-out scenes and keep best.pt,
     what the run's first line says about validation).
@@ -128,7 +139,7 @@ def validation(source, t, seed: int):
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse flags, train, return the last metrics (see --help)."""
-    run = build_parser().parse(argv)
+    run = absolute_paths(build_parser().parse(argv))
     import torch
     from memfit.step import AMP_DTYPES
     from memfit.train.distributed import dist_info
