@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from memfit.cli import load_system
 from memfit.errors import UsageError, run_command
 
 pytest.importorskip(
@@ -357,3 +358,24 @@ def test_train_help_lists_every_preset_config_takes(capsys):
         train.build_parser().parse(["--help"])
     listed = re.search(r"--config ([a-z|]+)\]", capsys.readouterr().out)[1].split("|")
     assert sorted(listed) == sorted(["auto", *train.SETTINGS])  # general among them
+
+
+def test_a_failed_enhance_removes_the_out_folder_it_created_and_only_that(trained, tmp_path, capsys):
+    run_dir, _ = trained
+    enhance_cmd = load_system("mbsnet-speech").command("enhance")
+    (tmp_path / "in").mkdir()
+    sf.write(tmp_path / "in" / "a.wav", np.zeros(8000, np.float32), 16000)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "b.wav").write_bytes(b"RIFF but not audio")
+    new = tmp_path / "new" / "out"
+    assert enhance_cmd([str(tmp_path / "in"), "--out", str(new), "--run", str(tmp_path / "no_run")]) == 2
+    assert "no run" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    assert enhance_cmd([str(tmp_path / "bad"), "--out", str(new), "--run", str(run_dir)]) == 2
+    assert "1 of 1 files could not be enhanced" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # nothing written: the folders it made are gone
+    there = tmp_path / "there"
+    there.mkdir()
+    assert enhance_cmd([str(tmp_path / "in"), "--out", str(there), "--run", str(tmp_path / "no_run")]) == 2
+    assert there.is_dir()  # it was there before: kept
+    assert enhance_cmd([str(tmp_path / "in"), "--out", str(new), "--run", str(run_dir)]) == 0
+    assert (new / "a.wav").is_file()
