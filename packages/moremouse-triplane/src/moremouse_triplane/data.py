@@ -19,7 +19,8 @@ cameras.json: {"input": "000.png",                      (optional; default: the 
                            "cam_to_world": [[...], [...], [...], [0, 0, 0, 1]]},   (OpenCV: x right,
                           ...]}                                                       y down, z forward)
 Images are square RGB or RGBA (composited on white), image_size x image_size, the object inside
-[-1, 1]^3 (world up +z). `mouse-make-data` (or `memfit`'s extra command) writes synthetic scenes in it.
+[-1, 1]^3 (world up +z). `memfit run moremouse-triplane make-data OUT` writes synthetic scenes in it
+(OUT new or empty, or --overwrite to replace the scenes make-data wrote there before).
 """
 
 from __future__ import annotations
