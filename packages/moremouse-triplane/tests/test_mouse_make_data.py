@@ -55,6 +55,12 @@ def test_overwrite_never_removes_a_scene_make_data_did_not_write(tmp_path, capsy
     line = _one_line(capsys)
     assert "scene_001" in line and "depth.exr" in line
     assert _files(out) == before
+    (out / "scene_001" / "depth.exr").unlink()
+    (out / "scene_001" / "cameras.json").unlink()  # no longer a scene, but where a new one would go
+    before = _files(out)
+    assert _make(out, "--num_scenes", "2", "--overwrite") == 2
+    assert "scene_001 is in the way" in _one_line(capsys)
+    assert _files(out) == before
 
 
 def test_a_failed_make_data_removes_the_folder_it_created_and_keeps_the_old_scenes(

@@ -499,6 +499,12 @@ def make_data(args: argparse.Namespace) -> None:
             if m and stale.is_dir() and not pid_alive(int(m["pid"])):
                 shutil.rmtree(stale, ignore_errors=True)
         old = _old_scenes(out)
+        for i in range(args.num_scenes):  # a new scene's name taken by what is not an old scene
+            if (taken := out / f"scene_{i:03d}").exists() and taken not in old:
+                raise UsageError(
+                    f"error: --overwrite: {taken} is in the way and is not a scene make-data wrote; move it "
+                    "out of OUT, or choose another OUT"
+                )
         export_scenes(tmp, args.num_scenes, args.image_size, args.seed, args.split)
         for d in old:
             _remove_scene(d)
