@@ -165,3 +165,16 @@ def test_nanogpt_cpu_char_model_side_by_side_with_nanogpt_equivalent(tmp_path):
     assert out["causal_minus_ref"] <= 0.01, out
     assert out["window_minus_causal"] <= 0.02, out
     assert out["mean"]["causal"] < 2.2, out  # it learned: an untrained model scores ~4.2
+
+
+def test_a_relative_data_is_kept_absolute_so_eval_elsewhere_reads_it(tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    text = "".join(f"line {i}: the quick brown fox jumps over the lazy dog\n" for i in range(80))
+    (a / "text.txt").write_text(text)
+    monkeypatch.chdir(a)
+    train_run([*FAST, "--num_iterations", "1", "--data", "text.txt", "--runs_dir", str(tmp_path)])
+    run = tmp_path / "gpt2-window" / "run"
+    assert json.loads((run / "config.json").read_text())["train"]["data"] == str(a / "text.txt")
+    monkeypatch.chdir(b)  # eval reads the run's data: the same file, from anywhere
+    assert eval_run(["--run", str(run), "--eval_iters", "1"])["data"] == str(a / "text.txt")

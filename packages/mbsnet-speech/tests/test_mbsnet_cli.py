@@ -1,11 +1,13 @@
 import csv
 import json
+import re
 import shutil
 
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from memfit.cli import load_system
 from memfit.errors import UsageError, run_command
 
 pytest.importorskip(
@@ -315,3 +317,65 @@ def test_general_preset_is_the_cpu_preset_with_the_generalising_recipe_flags():
     assert general != cpu and general.train.lr == cpu.train.lr and general.loop.threads == 1
     assert settings("--config", "general", "--loss", "sisdr=0.02").train.loss.sisdr == 0.02
     assert settings("--config", "general", "--loss", "sisdr=0.02").train.loss.stoi == 10
+
+
+def test_relative_data_paths_are_kept_absolute_so_eval_elsewhere_scores_them(
+    tmp_path, make_voicebank, monkeypatch, capsys
+):
+    a, b = tmp_path / "a", tmp_path / "b"
+    make_voicebank(a / "vb")
+    b.mkdir()
+    monkeypatch.chdir(a)
+    train.main([*TINY, "--steps", "1", "--data", "vb", "--runs_dir", str(tmp_path), "--run_name", "rel"])
+    run = tmp_path / "mbsnet-speech" / "rel"
+    assert json.loads((run / "config.json").read_text())["train"]["data"] == str(a / "vb")
+    monkeypatch.chdir(b)  # eval defaults to the run's data: the same folder, from anywhere
+    capsys.readouterr()
+    eval.main(["--run", str(run), "--limit", "1"])
+    assert f"data: 1 pairs from {a / 'vb'} (test split)" in capsys.readouterr().out
+    (a / "vb").rename(a / "gone")  # data that is no longer there: said, not silently replaced
+    eval.main(["--run", str(run), "--pairs", "1", "--seconds", "1.5"])
+    out, err = capsys.readouterr()
+    assert f"the run trained on --data {a / 'vb'}, which is not here" in err
+    assert "data: 1 generated held-out pairs" in out
+
+
+def test_relative_clean_and_noise_folders_are_kept_absolute(tmp_path, speech, monkeypatch):
+    clean, _, fs = speech
+    (tmp_path / "c").mkdir()
+    (tmp_path / "n").mkdir()
+    for i in range(3):
+        sf.write(tmp_path / "c" / f"c{i}.wav", clean[i * 12000 : i * 12000 + 16000], fs)
+        sf.write(tmp_path / "n" / f"hum{i}.wav", 0.1 * np.sin(np.arange(16000) * 0.05 * (i + 1)), fs)
+    monkeypatch.chdir(tmp_path)
+    train.main([*TINY, "--steps", "1", "--clean", "c", "--noise", "n", "--runs_dir", "runs"])
+    saved = json.loads((tmp_path / "runs" / "mbsnet-speech" / "run" / "config.json").read_text())["train"]
+    assert (saved["clean"], saved["noise"]) == (str(tmp_path / "c"), str(tmp_path / "n"))
+
+
+def test_train_help_lists_every_preset_config_takes(capsys):
+    with pytest.raises(SystemExit):
+        train.build_parser().parse(["--help"])
+    listed = re.search(r"--config ([a-z|]+)\]", capsys.readouterr().out)[1].split("|")
+    assert sorted(listed) == sorted(["auto", *train.SETTINGS])  # general among them
+
+
+def test_a_failed_enhance_removes_the_out_folder_it_created_and_only_that(trained, tmp_path, capsys):
+    run_dir, _ = trained
+    enhance_cmd = load_system("mbsnet-speech").command("enhance")
+    (tmp_path / "in").mkdir()
+    sf.write(tmp_path / "in" / "a.wav", np.zeros(8000, np.float32), 16000)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "b.wav").write_bytes(b"RIFF but not audio")
+    new = tmp_path / "new" / "out"
+    assert enhance_cmd([str(tmp_path / "in"), "--out", str(new), "--run", str(tmp_path / "no_run")]) == 2
+    assert "no run" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    assert enhance_cmd([str(tmp_path / "bad"), "--out", str(new), "--run", str(run_dir)]) == 2
+    assert "1 of 1 files could not be enhanced" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # nothing written: the folders it made are gone
+    there = tmp_path / "there"
+    there.mkdir()
+    assert enhance_cmd([str(tmp_path / "in"), "--out", str(there), "--run", str(tmp_path / "no_run")]) == 2
+    assert there.is_dir()  # it was there before: kept
+    assert enhance_cmd([str(tmp_path / "in"), "--out", str(new), "--run", str(run_dir)]) == 0
+    assert (new / "a.wav").is_file()

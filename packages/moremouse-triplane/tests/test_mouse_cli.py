@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from memfit.cli import load_system
 from memfit.errors import UsageError
 from memfit.train.checkpoint import load_checkpoint
 from moremouse_triplane import eval as mouse_eval
@@ -96,3 +97,73 @@ def test_cpu_recipe_renders_with_the_input_view_through_train_and_eval(tmp_path)
     assert cfg["view_features"] == 32 and cfg["carve"] > 0
     res = mouse_eval.main(["--run", str(run), "--num_scenes", "1", "--device", "cpu"])
     assert res["views"] == 4 and 5.0 < res["psnr"] < 60.0
+
+
+@pytest.mark.parametrize(
+    "scenes, val, says",
+    [
+        (12, "4", "validation on 3 of --data's 12 scenes, held out of training (--val_scenes 4: a quarter at "
+         "most), every 2 steps"),
+        (3, "4", "no validation: --data has 3 scenes, too few to hold one out"),
+        (None, "0", "no validation (--val_scenes 0), so no best.pt"),
+        (None, "1", "validation on 1 held-out generated scene (the val split), every 2 steps"),
+    ],
+)  # fmt: skip
+def test_the_first_line_says_how_many_scenes_validation_holds_out(tmp_path, capsys, scenes, val, says):
+    data = ()
+    if scenes:
+        export_scenes(tmp_path / "data", scenes, 32, seed=0, split="train")
+        data = ("--data", str(tmp_path / "data"))
+    argv = [*FAST, "--val_scenes", val, "--eval_every", "2", "--steps", "1", "--runs_dir", str(tmp_path)]
+    mouse_train.main([*argv, "--rays_per_scene", "8", *data])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("[mouse-train] preset"))
+    assert says in line, line
+
+
+def test_eval_checkpoint_best_of_a_run_without_best_pt_says_it_uses_the_latest(tmp_path, capsys):
+    _train(tmp_path, "noval", "--steps", "2", "--save_every", "1", "--val_scenes", "0", "--keep_last", "2")
+    run = tmp_path / "moremouse-triplane" / "noval"
+    assert not (run / "best.pt").exists()
+    capsys.readouterr()
+    res = mouse_eval.main(["--run", str(run), "--num_scenes", "1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert res["checkpoint"].endswith("ckpt_0000002.pt")
+    assert f"--checkpoint best: {run} has no best.pt" in err
+    assert "using its latest checkpoint, ckpt_0000002.pt" in err
+    mouse_eval.main(["--run", str(run), "--num_scenes", "1", "--checkpoint", "latest"])
+    assert "best.pt" not in capsys.readouterr().err  # asked for the latest: nothing to say
+
+
+def test_a_relative_data_is_kept_absolute_so_resume_elsewhere_trains_on_it(tmp_path, monkeypatch, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    export_scenes(a / "scenes", 4, 32, seed=0, split="train")
+    b.mkdir()
+    monkeypatch.chdir(a)
+    _train(tmp_path, "rel", "--steps", "1", "--data", "scenes", "--val_scenes", "0")
+    run = tmp_path / "moremouse-triplane" / "rel"
+    assert json.loads((run / "config.json").read_text())["train"]["data"] == str(a / "scenes")
+    monkeypatch.chdir(b)  # a bare --resume reads config.json: the same scenes, from anywhere
+    capsys.readouterr()
+    out = mouse_train.main(["--runs_dir", str(tmp_path), "--run_name", "rel", "--resume", "--steps", "2"])
+    assert out["step"] == 2
+    assert load_checkpoint(run)["settings"]["train"]["data"] == str(a / "scenes")
+
+
+def test_a_file_given_as_data_is_said_to_be_a_file(tmp_path, capsys):
+    afile = tmp_path / "scenes.zip"
+    afile.write_bytes(b"PK")
+    mouse = load_system("moremouse-triplane")
+    assert (
+        mouse.command("train")([*FAST, "--steps", "1", "--data", str(afile), "--runs_dir", str(tmp_path)])
+        == 2
+    )
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"--data {afile} is a file, not a folder" in err
+    assert "scene_000/cameras.json" in err
+    _train(tmp_path, "r", "--steps", "1", "--val_scenes", "0")
+    capsys.readouterr()
+    assert (
+        mouse.command("eval")(["--run", str(tmp_path / "moremouse-triplane" / "r"), "--data", str(afile)])
+        == 2
+    )
+    assert f"--data {afile} is a file, not a folder" in capsys.readouterr().err

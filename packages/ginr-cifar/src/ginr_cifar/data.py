@@ -106,11 +106,24 @@ def read_image(path: str | Path, size: int = 32) -> torch.Tensor:
     return torch.from_numpy(arr.copy()).permute(2, 0, 1)
 
 
+LAYOUT = (
+    "an ImageFolder tree (<class>/<image>), a folder of images, or the folder holding cifar-10-batches-py"
+)
+
+
+def data_folder(root: str | Path) -> Path:
+    """--data as a folder: FileNotFoundError when it does not exist, ValueError when it is a file."""
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"--data {root} does not exist; give {LAYOUT}")
+    if not root.is_dir():
+        raise ValueError(f"--data {root} is a file, not a folder; give {LAYOUT}")
+    return root
+
+
 def list_image_files(root: str | Path) -> list[Path]:
     """Image files under root (recursively), sorted; FileNotFoundError if there are none."""
-    root = Path(root)
-    if not root.is_dir():
-        raise FileNotFoundError(f"data folder {root} does not exist")
+    root = data_folder(root)
     files = sorted(
         Path(dp) / f for dp, _, fs in os.walk(root) for f in fs if f.lower().endswith(IMAGE_EXTENSIONS)
     )
@@ -235,14 +248,20 @@ def _load_cifar_batches(root: Path, train: bool, size: int) -> torch.Tensor:
     return images.permute(0, 3, 1, 2).contiguous()
 
 
-def _split_files(root: Path, split: str) -> list[Path]:
-    """Files of a split in an ImageFolder layout: root/train, root/test, or root itself is the train set."""
+def _split_files(root: Path, split: str, holdout: int) -> list[Path]:
+    """Files of a split in an ImageFolder layout: root/train, root/test, or root itself is the train set.
+    `holdout`: the images held out of train (what --split test's refusal offers instead)."""
     if split == "test":
         if (root / "test").is_dir():
             return list_image_files(root / "test")
-        raise FileNotFoundError(
-            f"{root} has no test/ folder; use --split holdout (500 images held out of train)"
-        )
+        if holdout:
+            held = f"{holdout} image{'' if holdout == 1 else 's'} held out of train"
+            instead = f"; use --split holdout ({held})"
+        else:
+            instead = (
+                ", and --holdout 0 held none of it out; use --split all, or a --data with a test/ folder"
+            )
+        raise FileNotFoundError(f"{root} has no test/ folder{instead}")
     if (root / "train").is_dir():
         return list_image_files(root / "train")
     return list_image_files(root)
@@ -310,15 +329,13 @@ def load_split(
         if split == "test":
             raise ValueError("the embedded default set has no test split; use --split holdout")
     else:
-        root = Path(data).expanduser()
-        if not root.exists():
-            raise FileNotFoundError(f"--data {root} does not exist")
+        root = data_folder(data)
         batches = _find_cifar_batches(root)
         if batches is not None:
             images = _load_cifar_batches(batches, train=split != "test", size=size)
             source = f"CIFAR-10 python batches in {batches}"
         else:
-            files = _split_files(root, split)
+            files = _split_files(root, split, holdout)
             source = f"image folder {root} ({len(files)} files)"
             if split != "test":
                 idx = _split_indices(len(files), split, holdout, val, max_images)

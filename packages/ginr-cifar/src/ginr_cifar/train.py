@@ -9,13 +9,14 @@ from one uint8 tensor by a generator seeded per (seed, step, micro), so ``--resu
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from memfit.errors import UsageError
-from memfit.train.settings import TrainParser
+from memfit.train.settings import TrainParser, TrainRun
 
 from ginr_cifar.config import SETTINGS, default_cache_dir
 
@@ -73,6 +74,16 @@ def build_parser() -> TrainParser:
     return p
 
 
+def absolute_paths(run: TrainRun) -> TrainRun:
+    """The run with --data made absolute: config.json and the checkpoints then name the same data from any
+    working directory (an eval or a --resume started elsewhere)."""
+    t = run.settings.train
+    if not t.data:
+        return run
+    data = os.path.abspath(os.path.expanduser(t.data))
+    return replace(run, settings=replace(run.settings, train=replace(t, data=data)))
+
+
 def mse_loss(model: torch.nn.Module, batch) -> torch.Tensor:
     """Batch (images, coords, rgb) -> mean squared error of the decoded pixels (fp32)."""
     import torch.nn.functional as F
@@ -128,7 +139,7 @@ def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int
 
 
 def main(argv: list[str] | None = None) -> dict:
-    run = build_parser().parse(argv)
+    run = absolute_paths(build_parser().parse(argv))
     import torch
     from memfit.step import AMP_DTYPES
     from memfit.train.distributed import dist_info

@@ -248,10 +248,31 @@ def run(args: argparse.Namespace) -> list[Path]:
             notes.update(conversion_notes(sf.info(str(f))))
     for n in sorted(notes):
         print(f"[mbsnet] {n} (the enhanced files are 16 kHz mono)", file=sys.stderr)
+    with folder_for_output(out_dir):
+        return _enhance_into(args, files, targets, out_dir, chunk, overlap)
+
+
+@contextlib.contextmanager
+def folder_for_output(folder: Path) -> Iterator[Path]:
+    """Create --out (and its missing parents) now, so an unwritable place fails before the model loads;
+    when the block fails (a model that does not load, no file enhanced, Ctrl-C), the folders this created
+    are removed again where they are still empty. A folder that was there before is never removed."""
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"error: cannot create --out {out_dir}: {e.strerror}") from None
+        raise UsageError(f"error: cannot create --out {folder}: {e.strerror}") from None
+    try:
+        yield folder
+    except BaseException:
+        for made in created:
+            with contextlib.suppress(OSError):  # not empty: something was written there; kept
+                made.rmdir()
+        raise
+
+
+def _enhance_into(args, files: list[Path], targets: list[Path], out_dir: Path, chunk: int, overlap: int):
+    """run()'s work once --out exists: load the model, enhance each file; the written paths."""
     overrides = inference_overrides(args.pcs, args.keep_noisy, args.shifts)
     try:
         model, state = SYSTEM.load_model(

@@ -16,6 +16,7 @@ import argparse
 import csv
 import json
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -227,7 +228,7 @@ def eval_sets(args, trained: dict, known: bool = True) -> list[tuple[str, list]]
     if data:
         items = load_pairs(data, args.pairs, args.seconds, args.limit)
         sets.append((f"{len(items)} pairs from {data} ({'test split' if _has_test(data) else 'all'})", items))
-    clean = args.clean if explicit else _existing(trained.get("clean"))
+    clean = args.clean if explicit else _existing(trained.get("clean"), "--clean")
     if clean or args.speech:
         noise, noise_label = _heldout_noise(args, trained, known)
     if clean:
@@ -252,7 +253,12 @@ def eval_sets(args, trained: dict, known: bool = True) -> list[tuple[str, list]]
     return sets
 
 
-def _existing(path: str | None) -> str | None:
+def _existing(path: str | None, flag: str = "--data") -> str | None:
+    """A path the run trained on, where it exists here; where it does not, None, and a line that says so
+    (the set it stood for is then left out, or generated pairs stand in)."""
+    if path and not Path(path).exists():
+        print(f"[mbsnet] the run trained on {flag} {path}, which is not here; scoring without it (give "
+              f"{flag} PATH to score it)", file=sys.stderr)  # fmt: skip
     return path if path and Path(path).exists() else None
 
 
@@ -263,7 +269,7 @@ UNKNOWN = " (the model records no training split: it may have trained on them)"
 def _heldout_noise(args, trained: dict, known: bool = True) -> tuple[list[Path] | None, str]:
     """The noise files for held-out mixes: --noise's (or the run's) test recordings, else its validation
     ones, else all of them; None (built-in kinds) without a noise folder."""
-    folder = args.noise or _existing(trained.get("noise"))
+    folder = args.noise or _existing(trained.get("noise"), "--noise")
     if not folder:
         return None, "built-in noises"
     names = args.noises if args.noises is not None else tuple(trained.get("test_noises") or ())

@@ -1,4 +1,4 @@
-"""Train MBS-Net: `uv run memfit train mbsnet-speech [--config auto|cpu|default|seed|tiny] [--data ROOT]`.
+"""Train MBS-Net: `memfit train mbsnet-speech [--config auto|cpu|default|general|seed|tiny] [--data ROOT]`.
 
 Without --data it trains on the embedded generator of speech-like noisy/clean pairs (offline).
 Losses (losses.py) as MP-SENet: compressed magnitude MSE, compressed complex MSE, anti-wrapping phase
@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -169,6 +170,15 @@ def build_parser() -> TrainParser:
     return p
 
 
+def absolute_paths(run: TrainRun) -> TrainRun:
+    """The run with its paths (--data, --clean, --noise) made absolute: config.json and the checkpoints
+    then name the same data from any working directory (an eval or a --resume started elsewhere)."""
+    t = run.settings.train
+    given = {k: getattr(t, k) for k in ("data", "clean", "noise")}
+    paths = {k: os.path.abspath(os.path.expanduser(v)) for k, v in given.items() if v}
+    return replace(run, settings=replace(run.settings, train=replace(t, **paths))) if paths else run
+
+
 SPEECH_SAMPLE = 64  # clean files of a --data corpus checked for speech before step 1
 
 
@@ -287,7 +297,7 @@ def _mix_data(t: TrainConfig, crop: int):
 
 def main(argv: list[str] | None = None) -> dict:
     """Train from the command line (argv None -> sys.argv[1:]); returns the last metrics."""
-    run: TrainRun = build_parser().parse(argv)
+    run: TrainRun = absolute_paths(build_parser().parse(argv))
     import numpy as np
     import torch
     from memfit.step import AMP_DTYPES, TrainStep

@@ -19,20 +19,27 @@ cameras.json: {"input": "000.png",                      (optional; default: the 
                            "cam_to_world": [[...], [...], [...], [0, 0, 0, 1]]},   (OpenCV: x right,
                           ...]}                                                       y down, z forward)
 Images are square RGB or RGBA (composited on white), image_size x image_size, the object inside
-[-1, 1]^3 (world up +z). `mouse-make-data` (or `memfit`'s extra command) writes synthetic scenes in it.
+[-1, 1]^3 (world up +z). `memfit run moremouse-triplane make-data OUT` writes synthetic scenes in it
+(OUT new or empty, or --overwrite to replace the scenes make-data wrote there before).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import re
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from memfit.errors import UsageError
+from memfit.train.outputs import output_dir, pid_alive
 from PIL import Image
 
 from moremouse_triplane.config import SPLIT_IDS
@@ -299,9 +306,12 @@ class FolderScenes:
     """Scenes from a folder of renders (layout in the module docstring), all validated on load."""
 
     def __init__(self, root: str | Path, image_size: int) -> None:
-        root = Path(root)
+        root = Path(root).expanduser()
+        layout = f"expected scene folders inside: {root / 'scene_000' / 'cameras.json'}, 000.png, ..."
+        if not root.exists():
+            raise FileNotFoundError(f"--data {root}: no such folder ({layout})")
         if not root.is_dir():
-            raise FileNotFoundError(f"--data {root}: no such folder (expected scene_*/cameras.json inside)")
+            raise FileNotFoundError(f"--data {root} is a file, not a folder ({layout})")
         dirs = sorted(p.parent for p in root.glob("*/cameras.json"))
         if not dirs:
             raise FileNotFoundError(
@@ -446,7 +456,66 @@ def export_main(argv: list[str] | None = None) -> None:
     make_data(make_data_args(argv))
 
 
+# What export_scenes writes in a scene folder: a folder holding only these is make-data's, and --overwrite
+# may remove it; any other file there may be someone's renders, which make-data never removes.
+MADE_FILES = re.compile(r"^(cameras\.json|\d{3}\.png)$")
+TEMP_DIR = re.compile(r"^\.make-data\.tmp(?P<pid>\d+)$")  # scenes being written, renamed into OUT at the end
+
+
+def _old_scenes(out: Path) -> list[Path]:
+    """The scene folders of OUT that --data would read (hidden ones aside); UsageError for one that holds
+    files make-data does not write (--overwrite never removes what it cannot write again)."""
+    scenes = sorted(p.parent for p in out.glob("*/cameras.json") if not p.parent.name.startswith("."))
+    for d in scenes:
+        foreign = [f.name for f in d.iterdir() if not (f.is_file() and MADE_FILES.match(f.name))]
+        if foreign:
+            raise UsageError(
+                f"error: --overwrite: {d} holds {foreign[0]!r}, which make-data does not write (renders of "
+                "your own?); move that scene out of OUT, or choose another OUT"
+            )
+    return scenes
+
+
+def _remove_scene(d: Path) -> None:
+    for f in d.iterdir():
+        f.unlink()
+    d.rmdir()
+
+
 def make_data(args: argparse.Namespace) -> None:
-    """`make-data`'s work: write the scenes its flags ask for, and say where."""
-    where = export_scenes(args.out, args.num_scenes, args.image_size, args.seed, args.split)
-    print(f"wrote {args.num_scenes} scenes to {where}")
+    """`make-data`'s work: write the scenes its flags ask for, and say where.
+
+    OUT must be new or empty unless --overwrite (memfit.train.outputs.output_dir). The scenes are written
+    into a hidden folder inside OUT and moved into place at the end, after the old scenes are removed: OUT
+    holds the old scenes or the new ones, never a mix. On a failure (Ctrl-C included) the hidden folder
+    goes, and so does OUT where this command created it."""
+    out = Path(args.out)
+    created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
+    output_dir(out, overwrite=args.overwrite, flag="OUT")
+    tmp = out / f".make-data.tmp{os.getpid()}"
+    try:
+        for stale in out.iterdir():  # left by a make-data that was killed
+            m = TEMP_DIR.match(stale.name)
+            if m and stale.is_dir() and not pid_alive(int(m["pid"])):
+                shutil.rmtree(stale, ignore_errors=True)
+        old = _old_scenes(out)
+        for i in range(args.num_scenes):  # a new scene's name taken by what is not an old scene
+            if (taken := out / f"scene_{i:03d}").exists() and taken not in old:
+                raise UsageError(
+                    f"error: --overwrite: {taken} is in the way and is not a scene make-data wrote; move it "
+                    "out of OUT, or choose another OUT"
+                )
+        export_scenes(tmp, args.num_scenes, args.image_size, args.seed, args.split)
+        for d in old:
+            _remove_scene(d)
+        for d in sorted(tmp.iterdir()):
+            d.rename(out / d.name)
+        tmp.rmdir()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    replaced = f" (replacing its {len(old)} old scenes)" if old else ""
+    print(f"wrote {args.num_scenes} scene{'' if args.num_scenes == 1 else 's'} to {out}{replaced}")

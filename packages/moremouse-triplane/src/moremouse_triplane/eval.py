@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from memfit.errors import UsageError
+from memfit.train.checkpoint import BEST_NAME
 from memfit.train.distributed import resolve_device
-from memfit.train.export import model_line
+from memfit.train.export import is_export, model_line
 from memfit.train.flags import apply_threads, eval_out_dir
 from memfit.train.metrics import psnr_per_image
 from memfit.train.outputs import write_file, write_text
@@ -172,6 +174,19 @@ def evaluate(
     return res
 
 
+def no_best(which: str, run_path: Path, loaded: Path) -> None:
+    """Say so when `--checkpoint best` of a run folder loads another checkpoint because the run kept no
+    best.pt (one that is there but unreadable, load_intact names already)."""
+    exported = is_export(run_path)  # an export holds one model: no checkpoints to choose from
+    if which == "best" and run_path.is_dir() and not exported and not (run_path / BEST_NAME).exists():
+        print(
+            f"[mouse-eval] --checkpoint best: {run_path} has no {BEST_NAME} (the run did not validate: "
+            f"--val_scenes 0, or a --data too small to hold scenes out); using its latest checkpoint, "
+            f"{loaded.name}",
+            file=sys.stderr,
+        )
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Evaluate a trained run; prints and returns {psnr, ssim, psnr_constant, ssim_constant, ...}."""
     return run(eval_args(argv))
@@ -188,6 +203,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         model, state = SYSTEM.load_model(run_path, device, which=args.checkpoint)
         print(model_line(SYSTEM, state))
+        no_best(args.checkpoint, run_path, Path(state["path"]))
         source = make_source(args.data, model.cfg.image_size, seed=args.seed, split=args.split)
     except UsageError:  # already one line (a run or model file that is missing or damaged)
         raise

@@ -33,7 +33,8 @@ def eval_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--checkpoint",
         default="best",
         choices=["best", "latest"],
-        help="which checkpoint of a run folder (default best.pt)",
+        help="which checkpoint of a run folder: best (default) is best.pt, or the latest checkpoint, saying "
+        "so, where the run kept no best.pt (it did not validate)",
     )
     add_eval_args(p, "moremouse-triplane")
     args = p.parse_args(argv)
@@ -45,13 +46,20 @@ def make_data_args(argv: list[str] | None = None) -> argparse.Namespace:
     """`memfit run moremouse-triplane make-data`'s flags (argv None: sys.argv[1:]), their numbers checked."""
     p = Parser(
         prog="memfit run moremouse-triplane make-data",
-        description="`make-data`: write generated mice as a folder of renders (the --data layout).",
+        description="`make-data`: write generated mice as a folder of renders (the --data layout). OUT must "
+        "be new or empty, or --overwrite given.",
     )
     p.add_argument("out", help="output folder")
     p.add_argument("--num_scenes", type=int, default=8)
     p.add_argument("--image_size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--split", default="val", choices=list(SPLIT_IDS))
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the scenes of a non-empty OUT: its scene folders that make-data wrote are removed "
+        "(no scene of an earlier run is left to mix in); its other files stay",
+    )
     args = p.parse_args(argv)
     check_numbers(args, num_scenes=">=1", image_size=">=1")
     return args

@@ -13,10 +13,11 @@ that `eval` scores by default is never seen here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from memfit.errors import UsageError
-from memfit.train.settings import TrainParser
+from memfit.train.settings import TrainParser, TrainRun
 
 from moremouse_triplane.config import SETTINGS
 
@@ -90,35 +91,55 @@ def build_parser() -> TrainParser:
     return p
 
 
+def absolute_paths(run: TrainRun) -> TrainRun:
+    """The run with --data made absolute: config.json and the checkpoints then name the same data from any
+    working directory (an eval or a --resume started elsewhere)."""
+    t = run.settings.train
+    if t.data in (None, "", "synthetic"):
+        return run
+    data = os.path.abspath(os.path.expanduser(t.data))
+    return replace(run, settings=replace(run.settings, train=replace(t, data=data)))
+
+
 def validation(source, t, seed: int):
-    """(training source, Trainer keyword arguments that validate on held-out scenes and keep best.pt).
+    """(training source, Trainer keyword arguments that validate on held-out scenes and keep best.pt,
+    what the run's first line says about validation).
 
     Generated scenes: the first --val_scenes scenes of the `val` split (`eval` scores `test`). A folder:
-    --val_scenes of its scenes, chosen by a fixed seed, are held out of training.
+    --val_scenes of its scenes, chosen by a fixed seed, are held out of training (a quarter of them at
+    most, FolderScenes.split; none of fewer than 4).
     """
     from moremouse_triplane.data import FolderScenes, SyntheticScenes
     from moremouse_triplane.eval import score_scenes
 
     if not t.val_scenes:
-        return source, {}
+        return source, {}, "no validation (--val_scenes 0), so no best.pt"
     if isinstance(source, FolderScenes):
+        total = len(source)
         source, held = source.split(t.val_scenes)
         if not len(held):
-            return source, {}
+            few = f"--data has {total} scene{'' if total == 1 else 's'}, too few to hold one out"
+            return source, {}, f"no validation: {few} (a quarter at most is; 4 hold out 1), so no best.pt"
+        where = f"{len(held)} of --data's {total} scenes, held out of training"
+        if len(held) < t.val_scenes:
+            where += f" (--val_scenes {t.val_scenes}: a quarter at most)"
     else:
         held = SyntheticScenes(source.image_size, seed=seed, split="val")
+        where = f"{t.val_scenes} held-out generated scene{'' if t.val_scenes == 1 else 's'} (the val split)"
     scenes = [held.eval_scene(i) for i in range(min(t.val_scenes, len(held)))]
 
     def eval_fn(model) -> dict[str, float]:
         res = score_scenes(model, scenes, next(model.parameters()).device)
         return {k: res[k] for k in ("psnr", "ssim")}
 
-    return source, dict(eval_fn=eval_fn, eval_every=t.eval_every, best_metric="psnr", best_mode="max")
+    when = f"every {t.eval_every} steps" if t.eval_every else "at the end"
+    kw = dict(eval_fn=eval_fn, eval_every=t.eval_every, best_metric="psnr", best_mode="max")
+    return source, kw, f"validation on {where}, {when}"
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse flags, train, return the last metrics (see --help)."""
-    run = build_parser().parse(argv)
+    run = absolute_paths(build_parser().parse(argv))
     import torch
     from memfit.step import AMP_DTYPES
     from memfit.train.distributed import dist_info
@@ -130,8 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     cfg, t, loop, device = run.settings.model, run.settings.train, run.settings.loop, run.device
     try:
-        source, eval_kw = validation(make_source(t.data, cfg.image_size, seed=loop.seed, split="train"), t,
-                                     loop.seed)  # fmt: skip
+        source, eval_kw, validated = validation(
+            make_source(t.data, cfg.image_size, seed=loop.seed, split="train"), t, loop.seed
+        )
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"error: {e}") from None
 
@@ -173,8 +195,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"[mouse-train] preset {run.preset}: {n / 1e6:.2f}M params, {cfg.num_tokens} triplane tokens, "
             f"{R} rays x {S} samples per scene, batch {B}, lr {t.lr:g}, "
-            f"threads {torch.get_num_threads()}; validation on {t.val_scenes} held-out scenes every "
-            f"{t.eval_every} steps; runs in {trainer.run_dir}"
+            f"threads {torch.get_num_threads()}; {validated}; runs in {trainer.run_dir}"
         )
     return trainer.fit()
 
