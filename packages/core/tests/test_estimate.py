@@ -357,7 +357,8 @@ def test_cli_estimate_takes_a_module_built_at_import_as_the_python_api_does(tmp_
     code, out, err = _run(capsys, f"{f}:MODEL")
     assert code == 2 and out == "", err
     assert err.strip() == (
-        f"memfit estimate: error: {f}:MODEL is a model already built (Linear): give its input shape, e.g. --input 8x3x224x224"
+        f"memfit estimate: error: {f}:MODEL is a model already built (Linear): give its input shape, "
+        "e.g. --input 8x3x224x224"
     ), err
 
 

@@ -33,6 +33,7 @@ class Recipe:
     lr: float = 1e-3
     snr: tuple[float, float] | None = None
     loss: Weights = field(default_factory=Weights)
+    data: str | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, lr=">0")
@@ -54,6 +55,20 @@ def parser() -> TrainParser:
     p.flag(g, "--loss", path="train.loss", expand=True, help="weights",
            type=lambda s: {k: float(v) for k, v in (x.split("=") for x in s.split(","))})  # fmt: skip
     return p
+
+
+def test_a_file_flag_is_stored_absolute_and_its_words_as_given(tmp_path, monkeypatch):
+    """A run's config.json names the same data from any working directory: a file flag's relative path
+    (and ~) is made absolute as the flags are read; the words it takes that are not paths stay."""
+    p = parser()
+    p.flag(p.group("data"), "--data", path="train.data", file=("synthetic",), help="data")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    run = p.parse(["--data", "corpus/a.txt", "--runs_dir", str(tmp_path / "runs")])
+    assert run.settings.train.data == str(tmp_path / "corpus" / "a.txt")
+    assert p.parse(["--data", "~/b"]).settings.train.data == str(tmp_path / "home" / "b")
+    assert p.parse(["--data", "synthetic"]).settings.train.data == "synthetic"
+    assert p.parse([]).settings.train.data is None
 
 
 def test_override_replaces_nested_fields_validates_and_stays_frozen():

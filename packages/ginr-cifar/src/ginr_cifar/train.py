@@ -9,14 +9,13 @@ from one uint8 tensor by a generator seeded per (seed, step, micro), so ``--resu
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from memfit.errors import UsageError
-from memfit.train.settings import TrainParser, TrainRun
+from memfit.train.settings import TrainParser
 
 from ginr_cifar.config import SETTINGS, default_cache_dir
 
@@ -37,7 +36,11 @@ def build_parser() -> TrainParser:
     p.flag(m, "--decoder_depth", path="model.decoder_depth", help="decoder scales")
     d = p.group("data and optimizer")
     p.flag(
-        d, "--data", path="train.data", help="CIFAR-10 batches folder or ImageFolder tree (none: embedded)"
+        d,
+        "--data",
+        path="train.data",
+        file=True,
+        help="CIFAR-10 batches folder or ImageFolder tree (none: embedded)",
     )
     p.flag(d, "--max_images", path="train.max_images", help="use only the first N training images")
     p.flag(
@@ -72,16 +75,6 @@ def build_parser() -> TrainParser:
     x.add_argument("--profile", action="store_true", help="time encode vs decode, report memory, and exit")
     x.add_argument("--profile_iters", type=int, default=10)
     return p
-
-
-def absolute_paths(run: TrainRun) -> TrainRun:
-    """The run with --data made absolute: config.json and the checkpoints then name the same data from any
-    working directory (an eval or a --resume started elsewhere)."""
-    t = run.settings.train
-    if not t.data:
-        return run
-    data = os.path.abspath(os.path.expanduser(t.data))
-    return replace(run, settings=replace(run.settings, train=replace(t, data=data)))
 
 
 def mse_loss(model: torch.nn.Module, batch) -> torch.Tensor:
@@ -139,7 +132,7 @@ def profile_model(model: GINR, batch, device: torch.device, amp: str, iters: int
 
 
 def main(argv: list[str] | None = None) -> dict:
-    run = absolute_paths(build_parser().parse(argv))
+    run = build_parser().parse(argv)
     import torch
     from memfit.step import AMP_DTYPES
     from memfit.train.distributed import dist_info

@@ -8,13 +8,12 @@ With no --data it trains on the embedded default corpus (Python standard-library
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from memfit.errors import UsageError
-from memfit.train.settings import TrainParser, TrainRun
+from memfit.train.settings import TrainParser
 
 from gpt2_window.config import ATTN_IMPLS, SETTINGS, GPTConfig, get_config
 
@@ -63,7 +62,11 @@ def build_parser() -> TrainParser:
     p.flag(m, "--dropout", path="model.dropout", help="dropout")
     d = p.group("data")
     p.flag(
-        d, "--data", path="train.data", help="UTF-8 text file or uint16 token shards (none: embedded corpus)"
+        d,
+        "--data",
+        path="train.data",
+        file=True,
+        help="UTF-8 text file or uint16 token shards (none: embedded corpus)",
     )
     p.flag(
         d,
@@ -107,19 +110,9 @@ def build_config(cfg: GPTConfig, t, preset: str, data: TokenData) -> tuple[GPTCo
     return cfg, T
 
 
-def absolute_paths(run: TrainRun) -> TrainRun:
-    """The run with --data made absolute: config.json and the checkpoints then name the same data from any
-    working directory (an eval or a --resume started elsewhere)."""
-    t = run.settings.train
-    if not t.data:
-        return run
-    data = os.path.abspath(os.path.expanduser(t.data))
-    return replace(run, settings=replace(run.settings, train=replace(t, data=data)))
-
-
 def run(argv: list[str] | None = None) -> dict:
     """main() returning its results (for tests and scripts)."""
-    r = absolute_paths(build_parser().parse(argv))
+    r = build_parser().parse(argv)
     import torch
     from memfit.step import AMP_DTYPES
     from memfit.train.checkpoint import latest_checkpoint, load_checkpoint

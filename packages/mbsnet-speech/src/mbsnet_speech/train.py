@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -98,6 +97,7 @@ def build_parser() -> TrainParser:
         d,
         "--data",
         path="train.data",
+        file=True,
         help="VoiceBank+DEMAND-style root (clean_*/ noisy_*/); none: generated",
     )
     p.flag(
@@ -107,8 +107,20 @@ def build_parser() -> TrainParser:
         help="with --data: every step mix one pair's clean speech with another pair's noise (noisy - "
         "clean) at a random SNR (--snr) and gain; --no_remix trains on the fixed pairs",
     )
-    p.flag(d, "--clean", path="train.clean", help="folder of clean speech to mix noise into on the fly")
-    p.flag(d, "--noise", path="train.noise", help="folder of noise files for --clean (none: built-in noises)")
+    p.flag(
+        d,
+        "--clean",
+        path="train.clean",
+        file=True,
+        help="folder of clean speech to mix noise into on the fly",
+    )
+    p.flag(
+        d,
+        "--noise",
+        path="train.noise",
+        file=True,
+        help="folder of noise files for --clean (none: built-in noises)",
+    )
     p.flag(
         d,
         "--snr",
@@ -168,15 +180,6 @@ def build_parser() -> TrainParser:
     p.flag(o, "--eval_every", path="train.eval_every", help="validate every N steps (0: at the end)")
     p.flag(o, "--val_files", path="train.val_files", help="held-out files validated")
     return p
-
-
-def absolute_paths(run: TrainRun) -> TrainRun:
-    """The run with its paths (--data, --clean, --noise) made absolute: config.json and the checkpoints
-    then name the same data from any working directory (an eval or a --resume started elsewhere)."""
-    t = run.settings.train
-    given = {k: getattr(t, k) for k in ("data", "clean", "noise")}
-    paths = {k: os.path.abspath(os.path.expanduser(v)) for k, v in given.items() if v}
-    return replace(run, settings=replace(run.settings, train=replace(t, **paths))) if paths else run
 
 
 SPEECH_SAMPLE = 64  # clean files of a --data corpus checked for speech before step 1
@@ -297,7 +300,7 @@ def _mix_data(t: TrainConfig, crop: int):
 
 def main(argv: list[str] | None = None) -> dict:
     """Train from the command line (argv None -> sys.argv[1:]); returns the last metrics."""
-    run: TrainRun = absolute_paths(build_parser().parse(argv))
+    run: TrainRun = build_parser().parse(argv)
     import numpy as np
     import torch
     from memfit.step import AMP_DTYPES, TrainStep

@@ -13,11 +13,10 @@ that `eval` scores by default is never seen here.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 from memfit.errors import UsageError
-from memfit.train.settings import TrainParser, TrainRun
+from memfit.train.settings import TrainParser
 
 from moremouse_triplane.config import SETTINGS
 
@@ -65,7 +64,11 @@ def build_parser() -> TrainParser:
     )
     d = p.group("data, optimizer and validation")
     p.flag(
-        d, "--data", path="train.data", help="folder of renders (scene_*/cameras.json); none: generated mice"
+        d,
+        "--data",
+        path="train.data",
+        file=("synthetic",),
+        help="folder of renders (scene_*/cameras.json); none: generated mice",
     )
     p.flag(
         d,
@@ -89,16 +92,6 @@ def build_parser() -> TrainParser:
     )
     p.flag(d, "--eval_every", path="train.eval_every", help="validate every N steps")
     return p
-
-
-def absolute_paths(run: TrainRun) -> TrainRun:
-    """The run with --data made absolute: config.json and the checkpoints then name the same data from any
-    working directory (an eval or a --resume started elsewhere)."""
-    t = run.settings.train
-    if t.data in (None, "", "synthetic"):
-        return run
-    data = os.path.abspath(os.path.expanduser(t.data))
-    return replace(run, settings=replace(run.settings, train=replace(t, data=data)))
 
 
 def validation(source, t, seed: int):
@@ -139,7 +132,7 @@ def validation(source, t, seed: int):
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse flags, train, return the last metrics (see --help)."""
-    run = absolute_paths(build_parser().parse(argv))
+    run = build_parser().parse(argv)
     import torch
     from memfit.step import AMP_DTYPES
     from memfit.train.distributed import dist_info

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import types
@@ -442,6 +443,7 @@ class TrainParser:
         self.parser = Parser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
         self.paths: dict[str, str] = {}  # argparse dest -> settings path
         self.expand: set[str] = set()  # dests whose value is a {field: value} dict under the path
+        self.files: dict[str, tuple[str, ...]] = {}  # dests naming a file or folder -> their non-path words
         self.flag_names: dict[str, str] = {}  # settings path -> the flag's name (for messages)
         self.dest_flags: dict[str, str] = {}  # argparse dest -> the flag's name (for messages)
         self.given_names: dict[str, str] = {}  # settings path -> the spelling typed on this command line
@@ -481,11 +483,15 @@ class TrainParser:
         hidden: tuple[str, ...] = (),
         expand: bool = False,
         show_default: bool = True,
+        file: bool | tuple[str, ...] = False,
         **kwargs: Any,
     ) -> None:
         """A flag that sets the settings at `path`; `hidden` are old spellings (accepted, not shown);
         with expand the flag's value is a dict of fields under `path` (e.g. --loss mag=0.9). Without a
-        `type`, `action` or `choices`, the field's annotation gives them (`_from_annotation`)."""
+        `type`, `action` or `choices`, the field's annotation gives them (`_from_annotation`). `file`: the
+        value is a file or folder, stored absolute (``~`` expanded) so that config.json and the
+        checkpoints name the same data from any working directory (an eval or a --resume started
+        elsewhere); a tuple names the values that are words, not paths (``("synthetic",)``)."""
         dest = kwargs.pop("dest", names[0].lstrip("-").replace("-", "_"))
         if not {"type", "action", "choices"} & kwargs.keys():
             kwargs.update(_from_annotation(self._field_hint(path), f"{names[0]} ({path})"))
@@ -495,6 +501,8 @@ class TrainParser:
             group.add_argument(old, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
         self.paths[dest] = path
         self.dest_flags[dest] = names[0]
+        if file is not False:
+            self.files[dest] = () if file is True else tuple(file)
         if expand:
             self.expand.add(dest)
         self.flag_names.setdefault(path, names[0])
@@ -657,6 +665,8 @@ class TrainParser:
                 value = getattr(args, dest)
                 if dest in self.expand:
                     flags.update({f"{path}.{k}": v for k, v in value.items()})
+                elif dest in self.files and value and value not in self.files[dest]:
+                    flags[path] = os.path.abspath(os.path.expanduser(value))
                 else:
                     flags[path] = value
         if not args.resume:
