@@ -184,3 +184,39 @@ def test_run_command_exit_status_and_one_line(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "/proc/memfit-nope/out.json" in err
     assert run_command("x", lambda argv: (_ for _ in ()).throw(SystemExit(130))) == 130
+
+
+def test_a_failed_command_removes_the_empty_output_folders_it_made(tmp_path, capsys):
+    """output_dir (every eval's --out, make-data's OUT, the report) makes its folder before the work, so
+    an unwritable place fails first; if the command then fails, the folders it made that are still empty
+    go again. A folder that was there before, or that holds a file, stays; a command that succeeds keeps
+    them all."""
+    from memfit.train.outputs import output_dir
+
+    def fails_after(out, write=False):
+        def main(argv):
+            output_dir(out)
+            if write:
+                (out / "partial.txt").write_text("kept")
+            raise UsageError("error: --data x is a file, not a folder")
+
+        return main
+
+    new = tmp_path / "new" / "sub"
+    assert run_command("x-eval", fails_after(new)) == 2
+    assert not (tmp_path / "new").exists()
+    there = tmp_path / "there"
+    there.mkdir()
+    assert run_command("x-eval", fails_after(there / "a" / "b")) == 2
+    assert sorted(tmp_path.iterdir()) == [there] and not any(there.iterdir())
+    assert run_command("x-eval", fails_after(new, write=True)) == 2
+    assert (new / "partial.txt").read_text() == "kept"  # something was written: nothing removed
+
+    def interrupted(argv):
+        output_dir(tmp_path / "ctrl-c")
+        raise KeyboardInterrupt
+
+    assert run_command("x-eval", interrupted) == 130 and not (tmp_path / "ctrl-c").exists()
+    assert run_command("x-eval", lambda argv: output_dir(tmp_path / "ok")) == 0
+    assert (tmp_path / "ok").is_dir()
+    capsys.readouterr()

@@ -14,12 +14,14 @@ written is removed, not left half-written.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 EXIT_USAGE = 2
@@ -130,9 +132,47 @@ def os_error_message(e: OSError) -> str:
     return f"{reason}:{where}; check the path and free space"
 
 
+# The folders the running command created (make_folders), removed again where still empty if it fails
+_MADE: contextvars.ContextVar[list[Path] | None] = contextvars.ContextVar("memfit_made_folders", default=None)
+
+
+def make_folders(folder: str | Path) -> Path:
+    """Create `folder` and its missing parents (an OSError is the caller's to say). Under run_command,
+    the folders created here are removed again, where still empty, when the command fails (a user error,
+    Ctrl-C, a crash): a failed command leaves no empty output folder behind. A folder that was there
+    before is never removed, nor one that holds anything."""
+    folder = Path(folder)
+    missing = [p for p in (folder, *folder.parents) if not p.exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    made = _MADE.get()
+    if made is not None:
+        made.extend(missing)
+    return folder
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in sorted(set(folders), key=lambda p: len(p.parts), reverse=True):  # deepest first
+        with contextlib.suppress(OSError):  # not empty (something was written there), or gone: kept
+            folder.rmdir()
+
+
 def run_command(prog: str, fn: Callable[[list[str] | None], Any], argv: list[str] | None = None) -> int:
     """Run a command's main(argv); return its exit status: 0 on success (main may return a result such
-    as a metrics dict; only an int is taken as a status), 2 on a user error, 128 + N on signal N."""
+    as a metrics dict; only an int is taken as a status), 2 on a user error, 128 + N on signal N. On any
+    other status, or an exception let through, the empty folders it made (make_folders) are removed."""
+    made: list[Path] = []
+    token = _MADE.set(made)
+    status = None
+    try:
+        status = _run_command(prog, fn, argv)
+        return status
+    finally:
+        _MADE.reset(token)
+        if status != 0:
+            _remove_empty(made)
+
+
+def _run_command(prog: str, fn: Callable[[list[str] | None], Any], argv: list[str] | None) -> int:
     try:
         with signals_raise():
             result = fn(argv)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 import torch
-from memfit.errors import UsageError
+from memfit.errors import UsageError, make_folders
 from memfit.train.distributed import resolve_device
 from memfit.train.export import model_line
 from memfit.train.flags import apply_threads
@@ -248,27 +248,11 @@ def run(args: argparse.Namespace) -> list[Path]:
             notes.update(conversion_notes(sf.info(str(f))))
     for n in sorted(notes):
         print(f"[mbsnet] {n} (the enhanced files are 16 kHz mono)", file=sys.stderr)
-    with folder_for_output(out_dir):
-        return _enhance_into(args, files, targets, out_dir, chunk, overlap)
-
-
-@contextlib.contextmanager
-def folder_for_output(folder: Path) -> Iterator[Path]:
-    """Create --out (and its missing parents) now, so an unwritable place fails before the model loads;
-    when the block fails (a model that does not load, no file enhanced, Ctrl-C), the folders this created
-    are removed again where they are still empty. A folder that was there before is never removed."""
-    created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
+    try:  # now, so an unwritable place fails before the model loads; removed again if the command fails
+        make_folders(out_dir)
     except OSError as e:
-        raise UsageError(f"error: cannot create --out {folder}: {e.strerror}") from None
-    try:
-        yield folder
-    except BaseException:
-        for made in created:
-            with contextlib.suppress(OSError):  # not empty: something was written there; kept
-                made.rmdir()
-        raise
+        raise UsageError(f"error: cannot create --out {out_dir}: {e.strerror}") from None
+    return _enhance_into(args, files, targets, out_dir, chunk, overlap)
 
 
 def _enhance_into(args, files: list[Path], targets: list[Path], out_dir: Path, chunk: int, overlap: int):

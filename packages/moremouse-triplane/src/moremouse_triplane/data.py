@@ -26,7 +26,6 @@ Images are square RGB or RGBA (composited on white), image_size x image_size, th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -488,10 +487,9 @@ def make_data(args: argparse.Namespace) -> None:
     OUT must be new or empty unless --overwrite (memfit.train.outputs.output_dir). The scenes are written
     into a hidden folder inside OUT and moved into place at the end, after the old scenes are removed: OUT
     holds the old scenes or the new ones, never a mix. On a failure (Ctrl-C included) the hidden folder
-    goes, and so does OUT where this command created it."""
+    goes, and so does OUT where this command created it (memfit.errors.make_folders)."""
     out = Path(args.out)
-    created = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
-    output_dir(out, overwrite=args.overwrite, flag="OUT")
+    output_dir(out, overwrite=args.overwrite, flag="OUT")  # created, and removed again if this fails
     tmp = out / f".make-data.tmp{os.getpid()}"
     try:
         for stale in out.iterdir():  # left by a make-data that was killed
@@ -513,9 +511,6 @@ def make_data(args: argparse.Namespace) -> None:
         tmp.rmdir()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for folder in created:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
         raise
     replaced = f" (replacing its {len(old)} old scenes)" if old else ""
     print(f"wrote {args.num_scenes} scene{'' if args.num_scenes == 1 else 's'} to {out}{replaced}")

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from memfit.errors import UsageError, os_error_message, signals_raise
+from memfit.errors import UsageError, make_folders, os_error_message, signals_raise
 
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.tmp(?P<pid>\d+)$")  # .NAME.tmpPID: a write in progress
 # Below this much free space, a writer's failure that does not say why (libsndfile: "System error") is
@@ -65,7 +65,8 @@ def output_dir(
 ) -> Path:  # fmt: skip
     """The folder `out`, created now (an unwritable location fails before the work). It may not be or lie
     inside an input; a non-empty one needs `overwrite` unless it is the command's `own` default folder
-    (a run's eval/, whose files a new eval replaces)."""
+    (a run's eval/, whose files a new eval replaces). The folders created here are removed again, where
+    still empty, if the command fails (``memfit.errors.make_folders``)."""
     out = Path(out)
     check_outputs([out], [p for p in inputs if p], overwrite=True, flag=flag)
     if out.exists() and not out.is_dir():
@@ -75,7 +76,7 @@ def output_dir(
             f"error: {flag} {out} is not empty; pass --overwrite to replace its files, or another {flag}"
         )
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        make_folders(out)  # removed again if the command fails before writing there
     except OSError as e:
         raise UsageError(f"error: cannot create the output folder: {os_error_message(e)}") from None
     return out
