@@ -233,6 +233,17 @@ def test_estimate_fit_and_budget_flags_each_say_what_they_do():
         assert not silent, f"memfit {name}: no help for {silent}"
     fit = sub.choices["fit"]
     assert {a.dest for a in fit._actions if a.required} == {"system", "gpu_gib"}  # as the usage line says
+    assert "memfit estimate TARGET --gpu_gib N" in fit.description
     estimate = {a.dest: a.help for a in sub.choices["estimate"]._actions}
     assert "LoRA" in estimate["explain"] and "SGD" in estimate["explain"]
     assert "by name" in estimate["amp"] and "TrainStep" in estimate["amp"]
+
+
+def test_every_subcommand_help_opens_with_what_it_does(capsys):
+    # (train and eval pass --help on to the system named after them)
+    for name in ["run", "systems", "export", "plot", "doctor", "budget", "fit", "estimate"]:
+        with pytest.raises(SystemExit):
+            cli.main([name, "--help"])
+        out = capsys.readouterr().out
+        description = out.split("\n\n")[1]
+        assert description[:1].isupper() and not description.startswith(("options", "positional")), out

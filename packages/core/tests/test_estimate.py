@@ -530,7 +530,29 @@ def test_fit_says_nothing_fits_in_one_line(capsys):
         cli.main(["fit", "--system", "gpt2-window", "--gpu_gib", "0.01", "--variant", "causal"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1 and "nothing fits 0.01 GiB" in err
-    assert "batch 0" not in err
+    assert "batch 0" not in err and err.startswith("memfit: error: nothing fits"), err
+
+
+def test_fit_points_a_model_of_ones_own_at_estimate(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--system", f"{tmp_path}/model.py:make", "--gpu_gib", "24"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert f"run `memfit estimate {tmp_path}/model.py:make --gpu_gib 24`" in err, err
+
+
+def test_nothing_fits_with_explain_prints_the_what_ifs_and_never_a_smaller_batch(tmp_path, capsys):
+    """--explain asked for the what-ifs: they are printed before the one error line, which points at them
+    (not at --explain), and when not even batch 1 fits, halving the batch is never what to try first."""
+    f = tmp_path / "m.py"
+    f.write_text("import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Linear(256, 256))\n")
+    code, out, err = _run(capsys, f"{f}:make", "--input", "64x256", "--gpu_gib", "1e-6", "--explain")
+    assert code == 2 and "What-ifs" in out and "batch halved (32)" in out, out
+    try_first = [line for line in out.splitlines() if line.startswith("Try first")]
+    assert try_first and "batch" not in try_first[0], try_first
+    assert err.count("\n") == 1 and "the what-ifs above say what would shrink it" in err, err
+    code, out, err = _run(capsys, f"{f}:make", "--input", "64x256", "--gpu_gib", "1e-6")
+    assert code == 2 and out == "" and "try --explain" in err, err
 
 
 def test_fit_refuses_a_variant_it_cannot_fit_in_one_line(capsys):

@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from memfit import __version__
 from memfit.errors import UsageError, run_command
@@ -146,6 +146,11 @@ def _fit(args: argparse.Namespace) -> int:
 
     if args.system not in available_systems():
         choices = ", ".join(sorted(available_systems())) or "none installed"
+        if ":" in args.system or args.system.endswith(".py"):  # a model of the user's own, as estimate takes
+            raise UsageError(
+                f"error: memfit fit sizes an installed system ({choices}); for {args.system} run "
+                f"`memfit estimate {args.system} --gpu_gib {args.gpu_gib:g}`"
+            )
         raise UsageError(f"error: unknown system {args.system!r}; installed systems: {choices}")
     check_numbers(args, gpu_gib=f"(0, {MAX_GPU_GIB}]", max_batch="[1, 2**31-1]")
     budgets = load_system(args.system).budgets()
@@ -167,8 +172,7 @@ def _fit(args: argparse.Namespace) -> int:
         kernels = on.kernels_used(ran) or "PyTorch's own kernels"
         described = f"{kernels}, {on.card_used().describe()}"
     if (message := nothing_fits(args.system, args.gpu_gib, results)) is not None:
-        print(message, file=sys.stderr)
-        return 2
+        raise UsageError(message)  # "memfit: error: ...", as every other refusal of the command
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
     else:
@@ -266,6 +270,12 @@ def _versions() -> str:
     return f"memfit {__version__} (torch {torch_version})"
 
 
+def _add_parser(sub, name: str, help: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """A subcommand whose --help opens with what it does (its line in `memfit --help`)."""
+    kwargs.setdefault("description", help[:1].upper() + help[1:] + ("" if help.endswith(".") else "."))
+    return sub.add_parser(name, help=help, **kwargs)
+
+
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = Parser(prog="memfit", description=__doc__.splitlines()[0])
@@ -275,23 +285,23 @@ def _main(argv: list[str] | None = None) -> int:
         _heavy_parsers(sub)
     else:  # named in --help and the list of choices; parsed only by the real ones above
         for name, text in HEAVY.items():
-            sub.add_parser(name, help=text)
-    p = sub.add_parser(
-        "run", help="a system's extra command, e.g. `memfit run mbsnet-speech enhance IN --out DIR`"
+            _add_parser(sub, name, help=text)
+    p = _add_parser(
+        sub, "run", help="a system's extra command, e.g. `memfit run mbsnet-speech enhance IN --out DIR`"
     )
     p.add_argument("system")
     p.add_argument("cmd", metavar="command")
     p.add_argument("args", nargs=argparse.REMAINDER)
     p.set_defaults(func=_run_extra)
-    p = sub.add_parser("systems", help="list installed systems and their extra commands")
+    p = _add_parser(sub, "systems", help="list installed systems and their extra commands")
     p.set_defaults(func=_systems)
     for kind in ("train", "eval"):
-        p = sub.add_parser(kind, help=f"a system's {kind}: `memfit {kind} SYSTEM [flags]` (`--help` after "
+        p = _add_parser(sub, kind, help=f"a system's {kind}: `memfit {kind} SYSTEM [flags]` (`--help` after "
                            "the system lists its flags)", add_help=False)  # fmt: skip
         p.add_argument("system")
         p.add_argument("args", nargs=argparse.REMAINDER)
         p.set_defaults(func=_run_extra, cmd=kind)
-    p = sub.add_parser("export", help="a trained run as model.safetensors + config.json + a model card")
+    p = _add_parser(sub, "export", help="a trained run as model.safetensors + config.json + a model card")
     p.add_argument("run", help="a run folder, a checkpoint file, a run name (with --system or unique), or an "
                    "exported folder (copied, with what it says of its run)")  # fmt: skip
     p.add_argument("--out", required=True, help="the folder to write")
@@ -299,12 +309,14 @@ def _main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs_dir", default="runs", help="where run names are looked up (default %(default)s)")
     p.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
     p.set_defaults(func=_export)
-    p = sub.add_parser("plot", help="a run's loss and validation curves as a PNG (from its metrics.jsonl)")
+    p = _add_parser(sub, "plot", help="a run's loss and validation curves as a PNG (from its metrics.jsonl)")
     p.add_argument("run", help="a run folder")
     p.add_argument("--out", default=None, help="the PNG to write (default: <run>/curves.png)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=_plot)
-    p = sub.add_parser("doctor", help="what each path (scan, conv, attention) uses on this machine, and why")
+    p = _add_parser(
+        sub, "doctor", help="what each path (scan, conv, attention) uses on this machine, and why"
+    )
     p.add_argument(
         "--require_cuda", "--require-cuda", action="store_true",
         help="exit 2 unless CUDA works and every CUDA implementation installed passes its probe "
@@ -325,7 +337,7 @@ def _heavy_parsers(sub: argparse._SubParsersAction) -> None:
     from memfit.estimate import GPU_HELP, MAX_BATCH_HELP, MEASURE_HELP, NO_CUDA_KERNELS_HELP
     from memfit.estimate import add_parser as estimate_parser
 
-    p = sub.add_parser("budget", help=HEAVY["budget"])
+    p = _add_parser(sub, "budget", help=HEAVY["budget"])
     p.add_argument("--system", help="only this system")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
@@ -338,7 +350,14 @@ def _heavy_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu", help=GPU_HELP)
     p.add_argument("--measure", action="store_true", help=MEASURE_HELP)
     p.set_defaults(func=_budget)
-    p = sub.add_parser("fit", help=HEAVY["fit"])
+    p = _add_parser(
+        sub,
+        "fit",
+        help=HEAVY["fit"],
+        description="The largest batch of an installed system's training step (each variant, with and "
+        "without checkpointing) that fits a GPU, estimated without one. For a model of your own: "
+        "`memfit estimate TARGET --gpu_gib N`.",
+    )
     p.add_argument("--system", required=True, help="the installed system to fit (memfit systems lists them)")
     p.add_argument("--gpu_gib", type=float, required=True, help="GPU memory to fit, GiB")
     p.add_argument("--variant", action="append", help="only these variants (repeatable)")

@@ -75,9 +75,16 @@ def _report(args) -> str:
     fit = result.fit
     if fit is not None and fit.batch == 0:
         needs = "of the card (reserved + CUDA context)" if fit.cuda else "per rank"
+        if (
+            args.explain and not args.json
+        ):  # the what-ifs were asked for: the report says what would shrink it
+            print(result.format())
+            hint = "the what-ifs above say what would shrink it"
+        else:
+            hint = "try --explain for what would shrink it"
         raise UsageError(
             f"error: nothing fits {args.gpu_gib:g} GiB ({100 * margin:g}% margin): batch {fit.smallest} "
-            f"needs {fmt_bytes(fit.peak_bytes)} {needs}; try --explain for what would shrink it"
+            f"needs {fmt_bytes(fit.peak_bytes)} {needs}; {hint}"
         )
     if args.timeline:
         result.timeline(args.timeline)

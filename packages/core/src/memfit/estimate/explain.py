@@ -343,18 +343,25 @@ def _retraced(name: str, got: int | str, note: str = "") -> WhatIf:
     return WhatIf(name, got, note) if isinstance(got, int) else WhatIf(name, None, got)
 
 
-def recommend(base: int, rows: list[WhatIf]) -> WhatIf | None:
+def recommend(base: int, rows: list[WhatIf], batch_helps: bool = True) -> WhatIf | None:
     """The fix to try first. A materialised attention that holds >= 10% of the peak comes first even when
     checkpointing would save more: SDPA removes it at no extra compute (checkpointing adds a forward).
-    Otherwise the row with the largest saving."""
-    useful = [w for w in rows if w.peak_bytes is not None and w.saving(base) > 0]
+    Otherwise the row with the largest saving. `batch_helps` False (not even batch 1 fits): a smaller
+    batch is never the fix."""
+    useful = [
+        w
+        for w in rows
+        if w.peak_bytes is not None
+        and w.saving(base) > 0
+        and (batch_helps or not w.name.startswith("batch "))
+    ]
     sdpa = [w for w in useful if w.name.startswith("SDPA") and w.saving(base) >= 0.1 * base]
     if sdpa:
         return sdpa[0]
     return max(useful, key=lambda w: w.saving(base), default=None)
 
 
-def format_what_ifs(base: int, rows: list[WhatIf], fits: Fits | None = None) -> str:
+def format_what_ifs(base: int, rows: list[WhatIf], fits: Fits | None = None, batch_helps: bool = True) -> str:
     lines = ["What-ifs (the same step re-estimated; largest saving first):"]
     lines.append(f"  {'what-if':<34} {'peak':>10} {'saving':>10} {'':>6}  note")
     ordered = sorted(rows, key=lambda w: (w.peak_bytes is None, -w.saving(base)))
@@ -367,7 +374,7 @@ def format_what_ifs(base: int, rows: list[WhatIf], fits: Fits | None = None) -> 
                 f"  {w.name:<34} {fmt_bytes(w.peak_bytes):>10} {fmt_bytes(w.saving(base)):>10} "
                 f"{pct:5.1f}%  {w.note}"
             )
-    best = recommend(base, rows)
+    best = recommend(base, rows, batch_helps)
     if fits is not None and fits.fits:  # nothing needs cutting
         lines.append(f"The step {fits.format()}")
     elif best is not None:

@@ -116,6 +116,12 @@ class EstimateResult:
         return self.trace.report.peak_gib
 
     @property
+    def batch_helps(self) -> bool:
+        """Whether a smaller batch can be the fix: not when the batch search found that not even the
+        smallest batch fits."""
+        return not (self.fit is not None and self.fit.batch == 0)
+
+    @property
     def by_category(self) -> dict[str, int]:
         return dict(self.trace.report.by_category)
 
@@ -184,7 +190,7 @@ class EstimateResult:
         base = r.peak_bytes
         if self.what_ifs is not None:
             out["what_ifs"] = [w.to_dict(base) for w in self.what_ifs]
-            best = explain.recommend(base, self.what_ifs)
+            best = explain.recommend(base, self.what_ifs, self.batch_helps)
             out["try_first"] = None if best is None or self.fits is not None else best.name
             if self.fits is not None:
                 out["fits"] = self.fits.to_dict()
@@ -248,7 +254,7 @@ class EstimateResult:
             lines.append(f"  {name:<40} {fmt_bytes(nbytes):>10} {100 * nbytes / total:5.1f}%{each}")
         base = self.peak_bytes
         if self.what_ifs is not None:
-            lines += ["", explain.format_what_ifs(base, self.what_ifs, self.fits)]
+            lines += ["", explain.format_what_ifs(base, self.what_ifs, self.fits, self.batch_helps)]
         if self.scaling is not None:
             lines += ["", self.scaling.format()]
         if self.per_rank_bytes is not None:
