@@ -96,7 +96,12 @@ def add_parser(sub) -> None:
         "LoRA r=16 and SGD instead of an Adam; with the batch scaling and whether the step fits",
     )
     p.add_argument("--scale", help="fit the activation exponent over 1x-4x of: batch, input:AXIS, or a knob")
-    p.add_argument("--gpu_gib", type=float, help="largest batch that fits a GPU of this many GiB")
+    p.add_argument(
+        "--gpu_gib",
+        type=float,
+        help="largest batch that fits a GPU of this many GiB (with --device cpu: the CPU step's tensors, "
+        "as a GPU would hold them; a CPU run's pre-flight judges RAM, at twice its tensors: malloc's heap)",
+    )
     p.add_argument(
         "--margin",
         type=float,
