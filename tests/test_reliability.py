@@ -413,7 +413,8 @@ def test_sigterm_mid_enhance_leaves_no_file_and_a_later_run_removes_a_dead_ones(
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     assert err.strip().splitlines()[-1].endswith("stopped by SIGTERM") and "Traceback" not in err
-    assert files(out) == []  # no partial long.wav, no temporary file
+    assert not out.exists()  # no partial long.wav, no temporary file, and the --out folder it made is gone
+    out.mkdir()
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     left = out / f".long.wav.tmp{dead.pid}"  # what a SIGKILL (nothing can clean up after it) leaves

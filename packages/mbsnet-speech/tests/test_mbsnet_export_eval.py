@@ -56,7 +56,10 @@ def test_a_run_and_its_export_score_the_same_sets_and_figures(run_and_export, mo
     eval.main(["--run", str(run), "--mixes", "2", "--runs_dir", "runs"])
     before = sorted(p.name for p in exported.iterdir())
     eval.main(["--run", str(exported), "--mixes", "2", "--runs_dir", "runs"])
-    from_run, from_export = sets(run / "eval"), sets(root / "runs" / "mbsnet-speech" / "exported" / "eval")
+    from_run, from_export = (
+        sets(run / "eval"),
+        sets(root / "runs" / "mbsnet-speech" / "exported" / "exported" / "eval"),
+    )
     assert [label for label, _ in from_run] == [label for label, _ in from_export]
     assert "held-out voices ca_ff x held-out noises hum-rec" in from_run[0][0]
     for (_, a), (_, b) in zip(from_run, from_export):

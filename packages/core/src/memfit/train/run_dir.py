@@ -25,6 +25,7 @@ from memfit.train.metrics_log import read_rows
 from memfit.train.outputs import pid_alive, remove_stale_temps, write_file
 
 LOCK_NAME = ".lock"
+DYING_S = 5.0  # how long a surviving rank waits for a lost rank 0 (the lock's holder) to finish exiting
 METRICS_NAME = "metrics.jsonl"
 
 
@@ -60,14 +61,13 @@ def run_names(base: Path) -> list[str]:
         return []
 
 
-def refuse_missing_run(run_dir: Path, most: int = 10) -> None:
+def refuse_missing_run(run_dir: Path, config_name: str, most: int = 10) -> None:
     """`--resume --run_name NAME` where runs_dir/<system>/NAME holds nothing of a run (no checkpoint, no
     metrics, no config.json; most likely a typo): one line naming the runs there (at most `most`), rather
     than a fresh run started under the misspelt name. A folder with a run's config.json but no checkpoint
-    yet (a run stopped before its first save) is resumed from step 0, as a bare --resume is."""
-    from memfit.train.settings import CONFIG_NAME
-
-    if holds_run(run_dir) or (run_dir / CONFIG_NAME).is_file():
+    yet (a run stopped before its first save) is resumed from step 0, as a bare --resume is.
+    `config_name`: that file's name (memfit.train.settings.CONFIG_NAME, which imports this module)."""
+    if holds_run(run_dir) or (run_dir / config_name).is_file():
         return
     names = run_names(run_dir.parent)
     shown = ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
@@ -181,8 +181,15 @@ class RunFolder:
             pid = int(self.lock.read_text().strip() or 0)
         except (OSError, ValueError):
             return False
-        if pid == os.getpid() or pid_alive(pid):
+        if pid == os.getpid():
             return False
+        # a peer's socket closes while its process is still exiting, before it is even a zombie: the
+        # survivor can get here first, so the dying holder is given a moment (a live one keeps its lock)
+        deadline = time.monotonic() + DYING_S
+        while pid_alive(pid):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
         self.lock.unlink(missing_ok=True)
         remove_stale_temps(self.path, "an interrupted save")
         return True

@@ -725,7 +725,7 @@ class TrainParser:
         if args.resume and "loop.run_name" in given | set(flags):  # a name given that holds no run: a typo
             from memfit.train.run_dir import refuse_missing_run
 
-            refuse_missing_run(tree.loop.run_dir(self.system))
+            refuse_missing_run(tree.loop.run_dir(self.system), CONFIG_NAME)
         if tree.loop.threads is not None:  # before data and model are built, not only once training starts
             from memfit.train.cpu import set_threads
 
