@@ -5,21 +5,27 @@ of its own train dataloader (``memfit.estimate.trainers``: fake tensors, nothing
 the trainer's loss (``Trainer.compute_loss``: the model's loss from its labels, or your override), its
 optimizer (the one you passed, else the class and hyperparameters ``args.optim`` makes: AdamW, Adafactor,
 SGD, fused or not), its precision (``args.bf16`` / ``args.fp16``: autocast), the model's gradient
-checkpointing and the per-device batch. It prints one line, and raises ``memfit.DoesNotFit`` naming the
-batch that fits when the step will not fit: before any optimizer step, the weights untouched.
+checkpointing, the per-device batch and ``args.gradient_accumulation_steps`` (the gradients kept between
+micro-batches, as ``memfit estimate --accumulate``). It prints one line (the main process), and raises
+``memfit.DoesNotFit`` naming the batch that fits when the step will not fit: before any optimizer step,
+the weights untouched; a ``train()`` after a refusal is checked again. Batches without labels, when the
+model's own loss needs them, are refused in one line.
 
-``auto_batch=True``: a step that does not fit trains at the largest per-device batch that fits and divides
-the global batch (per-device batch x gradient accumulation), with the accumulation raised to keep the
-global batch; no trial on the GPU. A step that fits is left as it is.
+``auto_batch=True``: a step that does not fit trains at the largest per-device batch that divides the
+global batch (per-device batch x gradient accumulation) and fits at the accumulation that keeps it, the
+accumulation raised to that; no trial on the GPU. A step that fits is left as it is.
 
 When: ``Trainer.train`` builds its train dataloader first, then counts its steps from the batch and the
 accumulation, creates the optimizer and prepares everything, and only then calls ``on_train_begin``, too
 late to change the batch. So the callback, from ``on_init_end``, wraps the trainer's
-``get_train_dataloader``: the pre-flight runs as the dataloader is built, and with ``auto_batch`` the
-dataloader is built again at the new batch before anything reads it. Added later
-(``trainer.add_callback``), it runs at ``on_train_begin`` and can only refuse (``auto_batch`` then says so
-in one line). A step the tracer cannot follow (a data-dependent shape, a custom CUDA kernel without a
-fake-tensor rule) is said in one line, and training goes on unchanged.
+``get_train_dataloader``: the pre-flight runs as the dataloader is built (while a ``MemfitCallback`` is in
+the trainer's callbacks; the first one runs it), and with ``auto_batch`` the dataloader is built again at
+the new batch before anything reads it. Added later (``trainer.add_callback``), it runs at
+``on_train_begin`` and can only refuse (with ``auto_batch``, a ``UsageError`` naming the batch that fits;
+nothing is changed). The first batch is drawn with the random states kept, from a copy of the dataloader
+whose workers end with it (persistent workers stay untouched). A step the tracer cannot follow (a
+data-dependent shape, a custom CUDA kernel without a fake-tensor rule) is said in one line, and training
+goes on unchanged.
 """
 
 from __future__ import annotations

@@ -3,15 +3,20 @@
 At ``on_fit_start`` (the optimizers configured, the dataloaders not built yet) the callback traces one
 training step of the LightningModule on the first batch of its train dataloader
 (``memfit.estimate.trainers``: fake tensors, nothing moved or computed): ``training_step(batch, 0)`` as the
-loss (its ``loss``), the optimizer ``configure_optimizers`` made (same class and hyperparameters), the
-trainer's precision (``bf16-mixed`` / ``16-mixed``: autocast). It prints one line, and raises
-``memfit.DoesNotFit`` naming the batch that fits when the step will not fit: before any optimizer step.
+loss (its ``loss``; the fake copy reads the trainer, its ``self.log`` does nothing), the optimizer
+``configure_optimizers`` made (same class and hyperparameters), ``accumulate_grad_batches`` (the gradients
+kept between micro-batches) and the trainer's precision (``bf16-mixed`` / ``16-mixed``: autocast;
+``bf16-true`` / ``16-true``: the batch converted by the precision plugin, the step in its dtype). It prints
+one line (rank 0), and raises ``memfit.DoesNotFit`` naming the batch that fits when the step will not fit:
+before any optimizer step. One pre-flight per trainer, however many callbacks.
 
-``auto_batch=True``: a step that does not fit trains at the largest batch that fits and divides the
-global batch (batch x ``accumulate_grad_batches``): the ``batch_size`` attribute of the module, its
-hparams or its datamodule is set, as Lightning's ``BatchSizeFinder`` does, and ``accumulate_grad_batches``
-raised to keep the global batch; the dataloader is built afterwards, at the new batch. No trial run.
-A step the tracer cannot follow is said in one line, and training goes on unchanged.
+``auto_batch=True``: a step that does not fit trains at the largest batch that divides the global batch
+(batch x ``accumulate_grad_batches``) and fits at the accumulation that keeps it: the ``batch_size``
+attribute of the module, its hparams or its datamodule is set, as Lightning's ``BatchSizeFinder`` does,
+and ``accumulate_grad_batches`` raised; the dataloader is built once more to check it follows the
+attribute (when it does not, the attribute is put back and a one-line ``UsageError`` says so, the
+accumulation unchanged). No trial run. A step the tracer cannot follow is said in one line, and training
+goes on unchanged.
 """
 
 from __future__ import annotations
