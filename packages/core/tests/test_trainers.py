@@ -9,6 +9,7 @@ and a real CPU step (``measure_training_step``).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import subprocess
@@ -38,6 +39,20 @@ CONFIG = dict(
 def gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))
+
+
+def wide_gpt2() -> torch.nn.Module:
+    """A GPT-2 whose gradients (4.5 MiB) outweigh a sample's activations: what accumulation keeps shows."""
+    torch.manual_seed(0)
+    config = {**CONFIG, "vocab_size": 8192, "n_embd": 128, "n_layer": 1}
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**config))
+
+
+def accumulation_gpu(needs) -> float:
+    """A memory (GiB, on the CPU) where batch 2 fits at accumulation 1 but not at 2 (its gradients kept),
+    and batch 1 at accumulation 4 fits: a global batch of 4 must train at batch 1, accumulation 4."""
+    assert needs(2, 1) < needs(2, 2) and needs(1, 4) < needs(2, 2) < needs(4, 1)
+    return (max(needs(2, 1), needs(1, 4)) + needs(2, 2)) / 2 / (1 - MARGIN) / GIB
 
 
 def lm_batch(b: int) -> dict[str, torch.Tensor]:
@@ -135,6 +150,12 @@ def test_plain_preflight_bad_settings_are_one_line():
     if not torch.cuda.is_available():
         with pytest.raises(UsageError, match="give gpu_gib"):
             memfit.preflight(model, batch)
+    with pytest.raises(UsageError, match=r"a tensor on the meta device \(2x64:int64\)"):
+        memfit.preflight(model, {k: v.to("meta") for k, v in batch.items()}, gpu_gib=8)
+    with pytest.raises(memfit.Untraceable, match=r"the loss ran the model itself \(GPT2LMHeadModel\)") as e:
+        memfit.preflight(model, batch, lambda m, b: model(**b).loss, gpu_gib=8)  # `model`, not `m`
+    assert "\n" not in str(e.value) and memfit.Untraceable is trainers.Untraceable
+    assert issubclass(memfit.Untraceable, UsageError)
 
 
 def test_import_memfit_imports_no_trainer_library_and_a_missing_extra_is_one_line(monkeypatch):
@@ -216,6 +237,10 @@ def test_hf_trainer_stops_before_any_optimizer_step_and_names_the_batch(tmp_path
     with pytest.raises(memfit.DoesNotFit, match=f"batch {b} fits") as e:
         trainer.train()
     assert e.value.fits_batch == b and seen == [] and same(state(model), weights)
+    assert "\n" not in str(e.value)
+    with pytest.raises(memfit.DoesNotFit, match=f"batch {b} fits"):  # a retry is checked again
+        trainer.train()
+    assert seen == [] and same(state(model), weights)
 
 
 def test_hf_trainer_auto_batch_trains_at_the_batch_that_fits_with_the_global_batch_kept(tmp_path):
@@ -231,6 +256,27 @@ def test_hf_trainer_auto_batch_trains_at_the_batch_that_fits_with_the_global_bat
     assert args.per_device_train_batch_size == b and args.gradient_accumulation_steps == 4 // b
     assert seen == [b] * (2 * 4 // b) and trainer.state.global_step == 2  # 2 optimizer steps of 4 samples
     assert not callback.check.fits and callback.check.batch == 4
+
+
+def test_hf_auto_batch_judges_the_batch_at_the_accumulation_it_sets(tmp_path, capsys):
+    from memfit.integrations.hf import MemfitCallback
+
+    model, args = wide_gpt2(), hf_args(tmp_path, batch=4)
+    cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+    opt = cls(model.parameters(), **kwargs)
+
+    def needs(n, accumulate):
+        target = trainers.user_target(model, lm_batch(n), None, opt, device="cpu", accumulate=accumulate)
+        return trainers.check(target, 1000).needed
+
+    callback = MemfitCallback(accumulation_gpu(needs), auto_batch=True, device="cpu")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback])
+    seen = batches_seen(trainer)
+    trainer.train()
+    # batch 2 fits at accumulation 1 only: with 2 micro-batches its gradients no longer fit
+    assert args.per_device_train_batch_size == 1 and args.gradient_accumulation_steps == 4
+    out = capsys.readouterr().out
+    assert seen == [1] * 8 and "per-device batch 4 -> 1, gradient accumulation 1 -> 4" in out
 
 
 STEP_FILE = """
@@ -250,14 +296,18 @@ def step(batch: int = {batch}):
 """
 
 
-@pytest.mark.parametrize("optim,amp", [("adamw_torch_fused", None), ("sgd", "bf16")])
+@pytest.mark.parametrize(
+    "optim,amp,accumulation", [("adamw_torch_fused", None, 1), ("sgd", "bf16", 1), ("adamw_torch", None, 2)]
+)
 def test_hf_callback_prints_what_memfit_estimate_says_and_on_the_cpu_a_real_step(
-    tmp_path, capsys, optim, amp
+    tmp_path, capsys, optim, amp, accumulation
 ):
+    """The callback's figure is `memfit estimate` of the same step, gradient accumulation included
+    (`--accumulate N`: the gradients are kept between micro-batches)."""
     from memfit.integrations.hf import MemfitCallback
 
     precision = {"bf16": True} if amp else {}
-    args = hf_args(tmp_path / "run", optim=optim, **precision)
+    args = hf_args(tmp_path / "run", accumulation=accumulation, optim=optim, **precision)
     model = gpt2()
     cls, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
     hyper = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
@@ -274,9 +324,12 @@ def test_hf_callback_prints_what_memfit_estimate_says_and_on_the_cpu_a_real_step
         trainer.train()
         line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("[memfit] pre-flight")]
         assert len(line) == 1 and f"{cls.__name__}" in line[0] and f"autocast {amp or 'none'}" in line[0]
+        assert (f"{accumulation} micro-batches per optimizer step" in line[0]) == (accumulation > 1)
         got = callback.check.result
+        assert (got.by_category.get("grads", 0) > 0) == (accumulation > 1)  # kept between micro-batches
+        flags = ["--device", device, "--json", "--accumulate", str(accumulation)]
         with pytest.raises(SystemExit) as done:
-            cli.main(["estimate", f"{path}:step", "--device", device, "--json"])
+            cli.main(["estimate", f"{path}:step", *flags])
         assert done.value.code == 0
         ref = json.loads(capsys.readouterr().out)
         assert got.peak_gib == ref["peak_gib"] and got.trace.report.category_gib() == ref["by_category_gib"]
@@ -286,7 +339,7 @@ def test_hf_callback_prints_what_memfit_estimate_says_and_on_the_cpu_a_real_step
             spec = importlib.util.spec_from_file_location("ref_step", path)
             mod = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(mod)
-            real = measure_training_step(mod.step())
+            real = measure_training_step(dataclasses.replace(mod.step(), accumulate=accumulation))
             assert abs(got.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes
 
 
@@ -315,6 +368,78 @@ def test_hf_callback_that_passes_leaves_the_run_as_it_was(tmp_path):
     assert len(plain) == 2 and all(torch.equal(a, b) for a, b in zip(plain, checked)) and same(w0, w1)
 
 
+def test_hf_one_pre_flight_per_trainer_and_none_once_the_callback_is_removed(tmp_path, capsys):
+    from memfit.integrations.hf import MemfitCallback
+
+    trainer = transformers.Trainer(
+        model=gpt2(), args=hf_args(tmp_path), train_dataset=Tokens(),
+        callbacks=[MemfitCallback(gpu_gib=1000), MemfitCallback(gpu_gib=1000)],
+    )  # fmt: skip
+    trainer.train()
+    assert capsys.readouterr().out.count("[memfit] pre-flight") == 1  # two callbacks, one check
+    trainer = transformers.Trainer(
+        model=gpt2(), args=hf_args(tmp_path), train_dataset=Tokens(), callbacks=[MemfitCallback(gpu_gib=1e-3)]
+    )
+    trainer.remove_callback(MemfitCallback)
+    seen = batches_seen(trainer)
+    trainer.train()  # nothing could fit 1 MiB: only a removed pre-flight lets it train
+    assert seen == [4, 4] and "[memfit]" not in capsys.readouterr().out
+
+
+def test_hf_batches_without_labels_are_refused_in_one_line(tmp_path):
+    from memfit.integrations.hf import MemfitCallback
+
+    class NoLabels(Tokens):
+        def __getitem__(self, i):
+            return {"input_ids": super().__getitem__(i)["input_ids"]}
+
+    trainer = transformers.Trainer(
+        model=gpt2(), args=hf_args(tmp_path), train_dataset=NoLabels(), callbacks=[MemfitCallback(1000)]
+    )
+    seen = batches_seen(trainer)
+    with pytest.raises(
+        UsageError, match="hold no labels .*add labels to the batch .*or override compute_loss"
+    ):
+        trainer.train()
+    assert seen == []
+
+
+class MaskingCollator:
+    """Masks 15% of the ids at random, in the dataloader's workers."""
+
+    def __call__(self, items):
+        ids = torch.stack([x["input_ids"] for x in items])
+        masked = torch.where(torch.rand(ids.shape) < 0.15, 0, ids)
+        return {"input_ids": masked, "labels": ids}
+
+
+def test_hf_persistent_workers_draw_the_same_masks_with_the_callback(tmp_path):
+    """The first batch comes from a copy of the loader whose workers end with it: the persistent workers
+    the run trains with start as they would without the callback, their random state untouched."""
+    from memfit.integrations.hf import MemfitCallback
+
+    runs = []
+    for callbacks in ([], [MemfitCallback(gpu_gib=1000)]):
+        seen: list[torch.Tensor] = []
+
+        class Seeing(transformers.Trainer):  # no cycle through the trainer: its workers end with it
+            def training_step(self, model, inputs, *a, _seen=seen, **k):
+                _seen.append(inputs["input_ids"].clone())
+                return super().training_step(model, inputs, *a, **k)
+
+        args = hf_args(tmp_path, dataloader_num_workers=2, dataloader_persistent_workers=True)
+        Seeing(
+            model=gpt2(),
+            args=args,
+            train_dataset=Tokens(),
+            data_collator=MaskingCollator(),
+            callbacks=callbacks,
+        ).train()
+        runs.append(seen)
+    plain, checked = runs
+    assert len(plain) == 2 and all(torch.equal(a, b) for a, b in zip(plain, checked))
+
+
 class Nothing(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(())
@@ -332,12 +457,23 @@ class ValueBranch(torch.nn.Module):
         return {"loss": x.sum() if input_ids.sum() > 0 else x.mean()}
 
 
+def bad_settings_are_refused_as_the_callback_is_made(callback) -> None:
+    for margin in (1.5, -0.1):
+        with pytest.raises(UsageError, match="margin is the fraction of the memory kept free"):
+            callback(margin=margin)
+    with pytest.raises(UsageError, match="device 'gpu'"):
+        callback(device="gpu")
+    with pytest.raises(UsageError, match="auto_batch is True or False"):
+        callback(auto_batch="yes")
+
+
 def test_hf_callback_bad_settings_are_one_line_and_leave_training_unchanged(tmp_path, capsys):
     from memfit.integrations.hf import MemfitCallback
 
     for gib in (0, -2):
         with pytest.raises(UsageError, match="gpu_gib must be a positive number"):
             MemfitCallback(gpu_gib=gib)
+    bad_settings_are_refused_as_the_callback_is_made(MemfitCallback)
     args = hf_args(tmp_path)
     trainer = transformers.Trainer(
         model=gpt2(), args=args, train_dataset=Nothing(), callbacks=[MemfitCallback(8)]
@@ -378,14 +514,16 @@ def test_hf_callback_bad_settings_are_one_line_and_leave_training_unchanged(tmp_
 # ----------------------------------------------------------------------------------------------------
 
 
-def lightning_module(batch_size: int = 4, branchy: bool = False):
+def lightning_module(
+    batch_size: int = 4, branchy: bool = False, net=gpt2, reads_trainer=False, skips_0=False
+):
     pl = pytest.importorskip("lightning.pytorch")
 
     class TinyLM(pl.LightningModule):
         def __init__(self):
             super().__init__()
             self.batch_size = batch_size
-            self.net = gpt2()
+            self.net = net()
             self.seen: list[int] = []
 
         def training_step(self, batch, i):
@@ -394,7 +532,9 @@ def lightning_module(batch_size: int = 4, branchy: bool = False):
             self.log("loss", loss)
             if branchy and batch.sum() < 0:  # a branch on the batch's values: the trace cannot follow it
                 return loss * 2
-            return loss
+            if skips_0 and i == 0:  # Lightning skips a step that returns None
+                return None
+            return loss / self.trainer.accumulate_grad_batches if reads_trainer else loss
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -415,10 +555,10 @@ def lightning_totals(module, upto: int) -> dict[int, int]:
     return {n: memfit.preflight(module, x, loss, opt, gpu_gib=1000).total_bytes for n, x in batches.items()}
 
 
-def lightning_trainer(pl, callback):
+def lightning_trainer(pl, callback, **kw):
     return pl.Trainer(
         accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[callback],
+        enable_model_summary=False, callbacks=[callback], **kw,
     )  # fmt: skip
 
 
@@ -448,6 +588,93 @@ def test_lightning_callback_estimate_is_memfit_estimate_of_the_same_step(capsys)
     assert callback.check.result.total_bytes == ref
 
 
+def test_lightning_traces_accumulate_grad_batches_and_auto_batch_judges_at_the_accumulation_it_sets(capsys):
+    from memfit.estimate import finetune
+    from memfit.integrations.lightning import MemfitCallback
+
+    pl, module = lightning_module(net=wide_gpt2)
+    callback = MemfitCallback(gpu_gib=1000, device="cpu")
+    lightning_trainer(pl, callback, accumulate_grad_batches=2).fit(module)
+    assert "2 micro-batches per optimizer step" in capsys.readouterr().out
+
+    def loss(m, x):
+        return m.net(input_ids=x, labels=x).loss
+
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-3)
+
+    def needs(n, accumulate):  # `memfit estimate --accumulate N`'s own path
+        target = trainers.user_target(module, torch.randint(0, VOCAB, (n, SEQ)), loss, opt, device="cpu")
+        return trainers.check(finetune.apply(target, finetune.FineTune(accumulate=accumulate)), 1000).needed
+
+    assert callback.check.needed == needs(4, 2) > needs(4, 1)
+    gib = accumulation_gpu(needs)
+    pl, module = lightning_module(net=wide_gpt2)
+    trainer = lightning_trainer(pl, MemfitCallback(gib, auto_batch=True, device="cpu"))
+    trainer.fit(module)
+    assert module.batch_size == 1 and trainer.accumulate_grad_batches == 4 and module.seen == [1] * 8
+
+
+def test_lightning_auto_batch_refuses_a_dataloader_that_ignores_the_batch_size_and_changes_nothing():
+    from memfit.integrations.lightning import MemfitCallback
+
+    pl, module = lightning_module()
+    b, gib = gpu_between(lightning_totals(module, 5), 4)
+    data = torch.randint(0, VOCAB, (32, SEQ))
+    module.train_dataloader = lambda: torch.utils.data.DataLoader(data, batch_size=4)  # a literal 4
+    trainer = lightning_trainer(pl, MemfitCallback(gib, auto_batch=True), accumulate_grad_batches=1)
+    with pytest.raises(
+        UsageError, match=f"set `batch_size` to {b}, but the train dataloader still makes batches of 4"
+    ):
+        trainer.fit(module)
+    assert module.batch_size == 4 and trainer.accumulate_grad_batches == 1 and module.seen == []
+
+
+def test_lightning_step_that_reads_the_trainer_is_traced_and_a_skipped_step_is_said_as_that(capsys):
+    from memfit.integrations.lightning import MemfitCallback
+
+    pl, module = lightning_module(reads_trainer=True)  # reads self.trainer, as many steps do
+    callback = MemfitCallback(gpu_gib=1000)
+    lightning_trainer(pl, callback, accumulate_grad_batches=2).fit(module)
+    assert callback.check is not None and "pre-flight skipped" not in capsys.readouterr().out
+    pl, module = lightning_module(skips_0=True)
+    callback = MemfitCallback(gpu_gib=1000)
+    lightning_trainer(pl, callback).fit(module)
+    out = capsys.readouterr().out
+    assert callback.check is None and "training_step returned None for batch 0" in out
+    assert "fails as written" not in out
+
+
+def test_lightning_true_half_precision_traces_the_batch_as_the_step_gets_it():
+    """bf16-true: the fit loop converts the batch to bfloat16 before training_step; so does the trace."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from memfit.integrations.lightning import MemfitCallback
+
+    class Regress(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+
+        def training_step(self, batch, i):
+            return (self.net(batch) ** 2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(torch.randn(32, 64), batch_size=8)
+
+    module = Regress()
+    callback = MemfitCallback(gpu_gib=1000, device="cpu")
+    lightning_trainer(pl, callback, precision="bf16-true").fit(module)
+    assert "batch 8x64:bfloat16" in callback.check.result.target.describe
+    net = Regress().to(torch.bfloat16)  # what the trainer trained: bf16 weights, a bf16 batch
+    ref = memfit.preflight(
+        net, torch.randn(8, 64, dtype=torch.bfloat16), lambda m, x: m.training_step(x, 0),
+        torch.optim.SGD(net.parameters(), lr=0.1), device="cpu", gpu_gib=1000,
+    )  # fmt: skip
+    assert callback.check.result.peak_bytes == ref.peak_bytes
+
+
 def test_shrink_for_accumulation_keeps_the_global_batch():
     assert trainers.shrink_for_accumulation(12, 5) == 4
     assert trainers.shrink_for_accumulation(8, 3) == 2
@@ -475,7 +702,7 @@ def test_hf_callback_added_late_still_refuses_before_any_step_and_hooks_no_step(
     hooks = {
         n for n in dir(base) if n.startswith("on_") and getattr(MemfitCallback, n) is not getattr(base, n)
     }
-    assert hooks == {"on_init_end", "on_train_begin", "on_train_end"}  # nothing per step
+    assert hooks == {"on_init_end", "on_train_begin"}  # nothing per step
 
 
 def test_a_tensor_on_another_device_becomes_a_fake_cpu_tensor_of_its_shape():
@@ -494,6 +721,7 @@ def test_a_tensor_on_another_device_becomes_a_fake_cpu_tensor_of_its_shape():
 def test_lightning_bad_settings_are_one_line_and_leave_training_unchanged(capsys):
     from memfit.integrations.lightning import MemfitCallback
 
+    bad_settings_are_refused_as_the_callback_is_made(MemfitCallback)
     pl, module = lightning_module()
     module.train_dataloader = lambda: torch.utils.data.DataLoader(torch.zeros(0, SEQ, dtype=torch.long))
     with pytest.raises(UsageError, match="gave no batch"):

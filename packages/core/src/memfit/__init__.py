@@ -15,8 +15,8 @@ try:
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "estimate", "preflight", "largest_batch", "DoesNotFit"]
-_PREFLIGHT = ("preflight", "largest_batch", "DoesNotFit")
+__all__ = ["__version__", "estimate", "preflight", "largest_batch", "DoesNotFit", "Untraceable"]
+_PREFLIGHT = ("preflight", "largest_batch", "DoesNotFit", "Untraceable")
 
 
 def __getattr__(name: str) -> Any:

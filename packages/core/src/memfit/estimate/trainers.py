@@ -32,7 +32,7 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -45,14 +45,44 @@ from memfit.errors import UsageError
 from memfit.estimate import EstimateResult, estimate, explain
 from memfit.estimate.fit import CPU_OVERHEAD, MARGIN, MAX_GPU_GIB, usable_bytes
 from memfit.estimate.target import DeviceTarget
-from memfit.estimate.trace import VALUE_READS, Target, fmt_bytes
+from memfit.estimate.trace import VALUE_READS, Target, fmt_bytes, trace_target
 from memfit.estimate.tracker import GIB, WORKSPACES
 from memfit.step import TrainStep, default_optimizer
 
 
 class Untraceable(UsageError):
     """The step could not be traced on fake tensors (data-dependent control flow, a custom kernel without
-    a fake implementation): one line naming where; the callbacks then train as configured."""
+    a fake implementation, or an error of the step's own): one line naming where; the callbacks then train
+    as configured. ``cause`` is the step's exception; ``own`` is True when a real step fails there too
+    (a Python error of the step's code, a shape or dtype mismatch), False when it is the fake trace's
+    limit or cannot be told."""
+
+    def __init__(self, message: str, cause: BaseException | None = None, own: bool = False) -> None:
+        super().__init__(" ".join(message.splitlines()))  # one line, whatever the step's error said
+        self.cause, self.own = cause, own
+
+
+class NoLoss(Exception):
+    """The step gave no loss to trace (a Lightning training_step that returned None: a skipped step)."""
+
+
+# errors of the step's own code: a real step raises them too (the fake trace has shapes, not values)
+_OWN_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, NameError, AssertionError)
+# what a torch op says of operands that do not match, on fake tensors as on real ones
+_MISMATCH = (
+    "shape",
+    "size of tensor",
+    "same dtype",
+    "expected scalar type",
+    "must match",
+    "mat1 and mat2",
+    "reduction dim",
+    "cannot be multiplied",
+)
+
+
+class OuterModel(Exception):
+    """A loss function that ran the model it closes over, not the (fake) model it was given."""
 
 
 class DoesNotFit(UsageError):
@@ -61,7 +91,7 @@ class DoesNotFit(UsageError):
     ``what_ifs``), ``batch`` the batch asked for, ``fits_batch`` the largest that fits (0: none)."""
 
     def __init__(self, message: str, result: EstimateResult, batch: int, fits_batch: int) -> None:
-        super().__init__(message)
+        super().__init__(" ".join(message.splitlines()))  # one line
         self.result = result
         self.batch = batch
         self.fits_batch = fits_batch
@@ -165,6 +195,13 @@ class TensorSpec:
 
 def _spec(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
+        if x.is_meta:
+            shape = "x".join(map(str, x.shape)) or "scalar"
+            raise UsageError(
+                f"error: the batch holds a tensor on the meta device ({shape}:"
+                f"{str(x.dtype).removeprefix('torch.')}), which has no values; pass a real batch (on any "
+                "device: it is read as shapes and, for integer tensors, their value range)"
+            )
         low, high = 0, 2
         if not (x.is_floating_point() or x.is_complex()) and x.numel() and x.dtype is not torch.bool:
             lo, hi = int(x.min()), int(x.max())
@@ -343,17 +380,33 @@ def user_target(
     device: str = "cuda",
     leave_out: Iterable[Any] = (),
     label: str | None = None,
+    accumulate: int = 1,
 ) -> Target:
-    """A Target (knob: the batch) for one training step of a real model on its real batch."""
+    """A Target (knob: the batch) for one training step of a real model on its real batch; ``accumulate``
+    micro-batches (forward and backward) per optimizer step, as ``memfit estimate --accumulate``."""
     check_model(model)
     if device not in ("cpu", "cuda"):
         raise UsageError(f"error: device {device!r}: the pre-flight models 'cuda' or 'cpu' kernels")
+    check_accumulate(accumulate)
     spec = BatchSpec.of(batch)
     amp_dtype = _amp(amp)
     loss = own_loss if loss_fn is None else loss_fn
     leave_out = tuple(leave_out)
     if optimizer is not None:
         unwrap_optimizer(optimizer)  # a wrong object is one line now, not in the trace
+
+    originals = {id(m) for m in model.modules()}
+
+    def outer_called(module: nn.Module, args: Any) -> None:
+        if id(module) in originals:
+            raise OuterModel(type(module).__name__)
+
+    def run_loss(m: nn.Module, b: Any) -> torch.Tensor:
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(outer_called)
+        try:
+            return loss_of(loss(m, b))
+        finally:
+            hook.remove()
 
     def make(k: dict[str, int]) -> TrainStep:
         params: dict[int, torch.Tensor] = {}
@@ -367,9 +420,10 @@ def user_target(
         return TrainStep(
             build,
             lambda d: spec.make(d, k["batch"]),
-            lambda m, b: loss_of(loss(m, b)),
+            lambda m, b: run_loss(m, b),
             optimizer_like(optimizer, params),
             amp_dtype,
+            accumulate=accumulate,
         )
 
     name = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
@@ -378,9 +432,49 @@ def user_target(
         f"{type(model).__name__}, batch {spec.describe()}, loss {loss_name}, "
         f"{optimizer_name(optimizer)}, autocast {name}"
     )
+    if accumulate > 1:  # as `memfit estimate --accumulate N` says it
+        describe += f", {accumulate} micro-batches per optimizer step"
     target = Target(label or type(model).__name__, make, {"batch": spec.size}, describe)
     target.device = device
     return target
+
+
+def check_settings(gpu_gib: Any, auto_batch: Any, device: Any, margin: Any) -> None:
+    """The callbacks' settings, checked as they are made: one line (UsageError) naming the bad one."""
+    if gpu_gib is not None:
+        capacity("cuda", gpu_gib)
+    if not isinstance(auto_batch, bool):
+        raise UsageError(f"error: auto_batch is True or False, not {auto_batch!r}")
+    if device not in (None, "cuda", "cpu"):
+        raise UsageError(
+            f"error: device {device!r}: the pre-flight models 'cuda' or 'cpu' kernels (None: 'cuda' when "
+            "gpu_gib is given or the trainer is on a GPU, else 'cpu')"
+        )
+    check_margin(margin)
+
+
+def check_margin(margin: Any) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise UsageError(
+            f"error: margin is the fraction of the memory kept free, in [0, 1), e.g. 0.1; got {margin!r}"
+        )
+
+
+def check_accumulate(accumulate: Any) -> None:
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise UsageError(
+            "error: accumulate is the micro-batches per optimizer step, a whole number >= 1; got "
+            f"{accumulate!r}"
+        )
+
+
+def at(target: Target, batch: int, accumulate: int) -> Target:
+    """The same step at another batch and gradient accumulation (a new Target; `target` is unchanged)."""
+
+    def make(k: dict[str, int]) -> TrainStep:
+        return replace(target.make(k), accumulate=accumulate)
+
+    return replace(target, make=make, knobs={**target.knobs, "batch": batch})
 
 
 @contextlib.contextmanager
@@ -465,8 +559,7 @@ def _split(cats: dict[str, int]) -> str:
 def check(target: Target, gpu_gib: float | None = None, margin: float = MARGIN, ranks: int = 1) -> Check:
     """Trace the target's step at its batch and judge it against the memory (no search); with ``ranks``
     > 1 what one DDP rank needs (``explain.per_rank_bytes``: its gradient buckets too)."""
-    if not 0 <= margin < 1:
-        raise UsageError(f"error: margin is a fraction in [0, 1), e.g. 0.1; got {margin!r}")
+    check_margin(margin)
     if ranks < 1:
         raise UsageError(f"error: ranks is the number of data-parallel processes, at least 1; got {ranks!r}")
     have, where = capacity(target.device, gpu_gib)
@@ -479,14 +572,30 @@ def check(target: Target, gpu_gib: float | None = None, margin: float = MARGIN, 
             raise
         why = str(e).rsplit(" (check", 1)[0].rsplit(" (the step reads", 1)[0]
         cause = e.__cause__
-        if type(cause).__name__ in VALUE_READS or isinstance(cause, NotImplementedError):
+        text = str(cause).lower()
+        own = False
+        if isinstance(cause, OuterModel):  # the step runs on real weights: nothing to trace
+            raise Untraceable(
+                f"error: the loss ran the model itself ({cause}), not the model it is given, which is the "
+                "fake copy the pre-flight traces: use that argument, e.g. loss_fn=lambda model, batch: "
+                "F.cross_entropy(model(batch[0]), batch[1]) (in a Trainer's compute_loss: `model`, not "
+                "self.model)"
+            ) from None
+        if isinstance(cause, NoLoss):
+            hint = "the pre-flight traces the step on the first batch, whose loss it needs"
+        elif type(cause).__name__ in VALUE_READS or isinstance(cause, NotImplementedError):
             hint = (
                 "a branch on a tensor's values, or a kernel without a fake-tensor implementation, cannot be "
                 "traced: see docs/will-it-fit.md"
             )
-        else:  # the step's own error: a real step fails there too
+        elif isinstance(cause, _OWN_ERRORS) or (
+            isinstance(cause, RuntimeError) and any(m in text for m in _MISMATCH) and "fake" not in text
+        ):
+            own = True  # the step's own error: a real step fails there too
             hint = "the step fails as written: check the batch, the loss and the model's forward"
-        raise Untraceable(f"{why} ({hint})") from e
+        else:  # a torch error that may be the fake trace's alone
+            hint = "if a real step runs, the fake trace cannot follow it: see docs/will-it-fit.md"
+        raise Untraceable(f"{why} ({hint})", cause, own) from e
     needed = explain.rank_needs(result.trace, ranks, "ddp", 0, target.device)
     got = Check(result, target.knobs["batch"], needed, have, where, margin, time.perf_counter() - t0, ranks)
     result.fits = explain.Fits(where, needed, got.usable, None)
@@ -494,20 +603,44 @@ def check(target: Target, gpu_gib: float | None = None, margin: float = MARGIN, 
 
 
 def fitting_batch(c: Check, target: Target, max_batch: int = 4096) -> int:
-    """The largest batch whose step fits (0: not even 1); stored on the result as ``fit``."""
+    """The largest batch whose step (at the target's gradient accumulation) fits (0: not even 1); stored on
+    the result as ``fit``."""
+    fit = _fit_batch(c, target, max_batch, c.result.trace)
+    c.result.fit = fit
+    c.result.fits.batch = fit.batch
+    return fit.batch
+
+
+def _fit_batch(c: Check, target: Target, max_batch: int, base_trace: Any = None) -> explain.BatchFit:
     with _assumed(target.device):
-        fit = explain.fit_batch(
+        return explain.fit_batch(
             target,
             c.capacity / GIB,
             c.margin,
             ranks=c.ranks,
             max_batch=max_batch,
-            base_trace=c.result.trace,
+            base_trace=base_trace,
             device=target.device,
         )
-    c.result.fit = fit
-    c.result.fits.batch = fit.batch
-    return fit.batch
+
+
+def accumulated_batch(c: Check, target: Target, total: int, fits: int) -> int:
+    """``auto_batch``'s per-step batch: the largest b that divides ``total`` (per-step batch x gradient
+    accumulation, the global batch per device) and whose step fits *at the accumulation that keeps it*,
+    ``total // b`` micro-batches (whose gradients are kept between them, unlike at accumulation 1); 0 when
+    none does. ``fits``: the largest batch that fits at the configured accumulation."""
+    upper = fits
+    accumulation = total // max(1, c.batch)
+    if accumulation == 1 and fits:  # a smaller batch means accumulating: judge it so
+        upper = _fit_batch(c, at(target, c.batch, 2), max(1, fits)).batch
+    for b in sorted((d for d in range(1, min(total, upper) + 1) if total % d == 0), reverse=True):
+        if b == total:  # accumulation 1: the batch asked for, which does not fit
+            continue
+        with _assumed(target.device):
+            trace = trace_target(at(target, b, total // b))
+        if explain.rank_needs(trace, c.ranks, "ddp", 0, target.device) <= c.usable:
+            return b
+    return 0
 
 
 def does_not_fit(c: Check, target: Target, fits_batch: int) -> DoesNotFit:
@@ -546,6 +679,7 @@ def preflight(
     amp: str | torch.dtype | None = None,
     margin: float = MARGIN,
     ranks: int = 1,
+    accumulate: int = 1,
 ) -> EstimateResult:
     """The memory of one training step of ``model`` on ``batch``, before running it.
 
@@ -553,10 +687,12 @@ def preflight(
     you train with (None: fused AdamW); ``amp`` None, "bf16" or "fp16" (autocast); ``device`` "cuda" (what
     a CUDA run keeps, estimated on this CPU) or "cpu"; ``gpu_gib`` the GPU's memory (default: the visible
     GPU's); ``ranks`` the data-parallel (DDP) processes, each needing one more copy of the gradients for
-    its buckets. Returns the estimate (``peak_bytes``, ``by_category``, ``top_tensors``, ``format()``;
-    ``fits`` says what it needs of what); raises ``DoesNotFit`` when the step will not fit, naming the largest
-    batch that does. The model and batch are not moved or changed."""
-    target = user_target(model, batch, loss_fn, optimizer, amp, device)
+    its buckets; ``accumulate`` the micro-batches per optimizer step (gradient accumulation: the
+    gradients are kept between them). Returns the estimate (``peak_bytes``, ``by_category``,
+    ``top_tensors``, ``format()``; ``fits`` says what it needs of what); raises ``DoesNotFit`` when the step
+    will not fit, naming the largest batch that does, and ``Untraceable`` (a ``UsageError``) when the step
+    cannot be traced. The model and batch are not moved or changed."""
+    target = user_target(model, batch, loss_fn, optimizer, amp, device, accumulate=accumulate)
     c = check(target, gpu_gib, margin, ranks)
     if not c.fits:
         raise does_not_fit(c, target, fitting_batch(c, target))
@@ -574,10 +710,11 @@ def largest_batch(
     margin: float = MARGIN,
     ranks: int = 1,
     max_batch: int = 4096,
+    accumulate: int = 1,
 ) -> int:
     """The largest batch (scaling ``batch``'s leading dimension) whose training step fits, as
     ``preflight`` judges it; 0 when not even 1 does."""
-    target = user_target(model, batch, loss_fn, optimizer, amp, device)
+    target = user_target(model, batch, loss_fn, optimizer, amp, device, accumulate=accumulate)
     return fitting_batch(check(target, gpu_gib, margin, ranks), target, max_batch)
 
 
@@ -609,9 +746,39 @@ def rng_kept():
             np.random.set_state(np_state)
 
 
+def _peek_copy(loader: Any) -> Any:
+    """A DataLoader to draw the first batch from without touching `loader`'s state: the same dataset,
+    batching, collate function and workers, but workers that end with the peek (``persistent_workers``
+    would keep the peek's workers, their random state advanced, for training) and a copy of its generator
+    (the workers' base seed is drawn from it). Anything else is iterated as it is."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    if type(loader) is not DataLoader:  # a subclass may build its iterator its own way
+        return loader
+    kw: dict[str, Any] = dict(
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        persistent_workers=False,
+    )
+    if loader.num_workers:
+        kw["prefetch_factor"] = 1  # the peek needs one batch per worker at most
+    if loader.generator is not None:
+        kw["generator"] = torch.Generator().set_state(loader.generator.get_state())
+    if isinstance(loader.dataset, IterableDataset):
+        kw.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+    elif loader.batch_sampler is not None:
+        kw["batch_sampler"] = loader.batch_sampler
+    else:
+        kw.update(batch_size=None, sampler=loader.sampler)
+    return DataLoader(loader.dataset, **kw)
+
+
 def first_batch(loader: Any, what: str = "the train dataloader") -> Any:
-    """The first batch of a fresh iteration of `loader`, the random states left as they were; one line
-    when there is none."""
+    """The first batch of a fresh iteration of `loader`, the random states left as they were (Python's,
+    torch's, numpy's, the loader's generator, persistent workers'); one line when there is none."""
     if loader is None:
         raise UsageError(
             f"error: {what} is missing: the pre-flight needs the first batch; give a train dataset"
@@ -624,7 +791,7 @@ def first_batch(loader: Any, what: str = "the train dataloader") -> Any:
             "memfit.preflight with a batch yourself"
         )
     with rng_kept():
-        it = iter(loader)
+        it = iter(_peek_copy(loader))
         try:
             return next(it)
         except StopIteration:
