@@ -100,6 +100,10 @@ def test_plain_loop_refuses_the_batch_that_does_not_fit_and_names_the_one_that_d
     assert two.fits.needed_bytes == one.fits.needed_bytes + one.by_category["params"]
     # the loop then trains at b: the step at b passes the same pre-flight
     assert memfit.preflight(model, lm_batch(b), None, opt, gpu_gib=gib).total_bytes == totals[b]
+    # not even batch 1 fits: a smaller batch is never what to try first
+    with pytest.raises(memfit.DoesNotFit, match="not even batch 1 fits") as e:
+        memfit.preflight(model, batch, None, opt, gpu_gib=totals[1] / 2 / GIB)
+    assert "try first: batch" not in str(e.value), e.value
 
 
 def test_plain_preflight_on_the_cpu_equals_a_real_step_and_keeps_the_optimizer_settings():

@@ -648,7 +648,7 @@ def does_not_fit(c: Check, target: Target, fits_batch: int) -> DoesNotFit:
     r = c.result
     with _assumed(target.device):
         r.what_ifs = explain.what_ifs(target, r.trace)
-    best = explain.recommend(r.peak_bytes, r.what_ifs)
+    best = explain.recommend(r.peak_bytes, r.what_ifs, batch_helps=fits_batch > 0)  # batch 1 too big: not it
     cuda = r.cuda is not None
     what = (
         f"of the card (allocator peak {fmt_bytes(r.peak_bytes)}; reserved + CUDA context)"
