@@ -837,3 +837,23 @@ def test_hf_callback_reads_the_optimizer_args_optim_makes(tmp_path, capsys):
     assert (
         state_bytes["sgd"] == 0 < state_bytes["adafactor"] < params < 2 * params < state_bytes["adamw_torch"]
     )
+
+
+def test_a_batch_of_another_dtype_than_the_weights_is_said_as_a_step_that_cannot_run():
+    """An fp32 batch into bf16 weights fails in a real step ("expected m1 and m2 to have the same dtype"),
+    but the fake matmul returns a result: the trace checks the dtypes itself, so the step is not estimated
+    as if it ran. The same batch cast to bf16, or the fp32 model under autocast, traces."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    x, y = torch.randn(2, 8), torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match="same dtype"):  # the real step
+        model(x)
+
+    def loss(m, b):
+        return (m(b[0]).float() - b[1]).pow(2).mean()
+
+    with pytest.raises(memfit.Untraceable, match="addmm of bfloat16 and float32 tensors") as e:
+        memfit.preflight(model, (x, y), loss, device="cpu", gpu_gib=10)
+    assert e.value.own and "the step fails as written" in str(e.value)
+    assert memfit.preflight(model, (x.bfloat16(), y), loss, device="cpu", gpu_gib=10).peak_bytes > 0
+    fp32 = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    assert memfit.preflight(fp32, (x, y), loss, device="cpu", gpu_gib=10, amp="bf16").peak_bytes > 0

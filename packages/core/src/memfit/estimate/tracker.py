@@ -271,6 +271,8 @@ class _StorageTracker(TorchDispatchMode):
         if self.fake:
             if func is _LOCAL_SCALAR and self.phase == "optimizer":
                 return self._assume_value(args[0])
+            if id(func) in _SAME_DTYPE_IDS:
+                _check_same_dtype(func, args)
             out, made = _fast_fake_call(func, args, kwargs, self.fake_mode)
             fix = rules.cpu_fixes.get(id(func))
             if fix is not None:  # never on the fast path (_op_kind): `made` is None
@@ -333,6 +335,30 @@ _QUERIES = {
 }
 # per-op tables are keyed by id(op): an OpOverload hashes in Python, and ops live as long as the process
 _QUERY_IDS = {id(f) for f in _QUERIES}
+# Matrix products whose real CPU and CUDA kernels refuse floating inputs of two dtypes (an fp32 batch into
+# bf16 weights: "expected m1 and m2 to have the same dtype") but whose fake (meta) versions return a
+# result: checked here, so a step that cannot run is not estimated as if it could. Autocast casts the
+# inputs before they reach this level, so an autocast step passes.
+_SAME_DTYPE_IDS = {
+    id(op)
+    for op in (
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.baddbmm.default,
+        torch.ops.aten.convolution.default,
+    )
+}
+
+
+def _check_same_dtype(func, args) -> None:
+    kinds = {a.dtype for a in args if isinstance(a, torch.Tensor) and a.dtype.is_floating_point}
+    if len(kinds) > 1:
+        names = " and ".join(sorted(str(d).removeprefix("torch.") for d in kinds))
+        raise RuntimeError(
+            f"{func.overloadpacket.__name__} of {names} tensors: the real kernel expects the same dtype "
+            "(cast the batch to the weights' dtype, or train under autocast)"
+        )
 
 
 class _Ref(weakref.ref):
