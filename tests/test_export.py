@@ -8,6 +8,7 @@ import pytest
 import torch
 from memfit import cli
 from memfit.system import load_system
+from memfit.train.flags import export_eval_name
 
 from tests.systems import ALIASES, evaluate, one_error_line, train
 
@@ -52,12 +53,12 @@ def test_export_round_trips_bit_exactly_with_safetensors_alone(system, exported,
 
 @pytest.mark.parametrize("system", sorted(ALIASES))
 def test_eval_takes_an_exported_folder_as_its_run(system, exported, tmp_path):
-    """Its results go beside the runs (--runs_dir/<system>/exported/<folder name>/eval, a folder no run can
-    have), never into the export."""
+    """Its results go beside the runs (--runs_dir/<system>/exported/<folder name>-<path digits>/eval, a
+    folder no run can have), never into the export."""
     _, folder = exported[system]
     before = sorted(p.name for p in folder.iterdir())
     assert evaluate(system, folder, "--runs_dir", str(tmp_path)) == 0
-    assert any((tmp_path / system / "exported" / folder.name / "eval").iterdir())
+    assert any((tmp_path / system / "exported" / export_eval_name(folder) / "eval").iterdir())
     assert not (tmp_path / system / folder.name).exists()
     assert sorted(p.name for p in folder.iterdir()) == before
 

@@ -69,6 +69,12 @@ def test_a_file_flag_is_stored_absolute_and_its_words_as_given(tmp_path, monkeyp
     assert p.parse(["--data", "~/b"]).settings.train.data == str(tmp_path / "home" / "b")
     assert p.parse(["--data", "synthetic"]).settings.train.data == "synthetic"
     assert p.parse([]).settings.train.data is None
+    # a path in a --config file is opened from the working directory too, and stored as that
+    cfg = tmp_path / "mine.json"
+    cfg.write_text(json.dumps({"system": "toy", "train": {"data": "corpus/c.txt"}}))
+    assert p.parse(["--config", str(cfg)]).settings.train.data == str(tmp_path / "corpus" / "c.txt")
+    cfg.write_text(json.dumps({"system": "toy", "train": {"data": "synthetic"}}))
+    assert p.parse(["--config", str(cfg)]).settings.train.data == "synthetic"
 
 
 def test_override_replaces_nested_fields_validates_and_stays_frozen():

@@ -17,7 +17,7 @@ from memfit.ops.layers import checkpointed
 from memfit.system import System, available_systems, parse_then_run, register, unregister
 from memfit.train.checkpoint import load_checkpoint
 from memfit.train.config import check_fields
-from memfit.train.flags import Parser, add_eval_args, apply_threads, eval_out_dir
+from memfit.train.flags import Parser, add_eval_args, apply_threads, eval_out_dir, export_eval_name
 from memfit.train.loop import Trainer, step_generator
 from memfit.train.run_dir import resolve_run
 from memfit.train.settings import LoopConfig, Settings, TrainParser
@@ -209,9 +209,23 @@ def test_an_exports_eval_never_lands_in_a_run_of_the_same_name(toy, tmp_path, ca
     exported = sorted(p.name for p in folder.iterdir())
     bare.eval_main(["--system", NAME, "--run", str(folder), *runs])
     assert own.read_text() == before  # the run's results are its own
-    result = json.loads((tmp_path / NAME / "exported" / "exp" / "eval" / "eval.json").read_text())
+    result = json.loads(
+        (tmp_path / NAME / "exported" / export_eval_name(folder) / "eval" / "eval.json").read_text()
+    )
     assert result["mse"] != json.loads(before)["mse"]
     assert sorted(p.name for p in folder.iterdir()) == exported  # nothing written into the export
+    # another export of the same name (of run exp) keeps its results apart from the first one's
+    other = tmp_path / "other" / "exp"
+    assert _memfit(capsys, "export", str(tmp_path / NAME / "exp"), "--out", str(other))[0] == 0
+    bare.eval_main(["--system", NAME, "--run", str(other), *runs])
+    second = tmp_path / NAME / "exported" / export_eval_name(other) / "eval" / "eval.json"
+    assert json.loads(second.read_text())["mse"] == json.loads(before)["mse"]
+    assert (
+        json.loads(
+            (tmp_path / NAME / "exported" / export_eval_name(folder) / "eval" / "eval.json").read_text()
+        )
+        == result
+    )
     with pytest.raises(SystemExit) as e:  # and no run can take the folder these results live in
         _train(tmp_path, "--run_name", "exported")
     assert e.value.code == 2 and "run_name 'exported' is kept" in capsys.readouterr().err

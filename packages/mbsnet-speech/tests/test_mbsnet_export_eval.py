@@ -12,6 +12,7 @@ import soundfile as sf
 from mbsnet_speech import eval, train
 from mbsnet_speech.data import SAMPLE_RATE, make_noise, synth_speech
 from memfit import cli
+from memfit.train.flags import export_eval_name
 
 VOICES = ("en_aa", "it_bb", "ru_cc", "fi_dd", "cs_ee", "ca_ff")
 HELD = [
@@ -58,7 +59,7 @@ def test_a_run_and_its_export_score_the_same_sets_and_figures(run_and_export, mo
     eval.main(["--run", str(exported), "--mixes", "2", "--runs_dir", "runs"])
     from_run, from_export = (
         sets(run / "eval"),
-        sets(root / "runs" / "mbsnet-speech" / "exported" / "exported" / "eval"),
+        sets(root / "runs" / "mbsnet-speech" / "exported" / export_eval_name(exported) / "eval"),
     )
     assert [label for label, _ in from_run] == [label for label, _ in from_export]
     assert "held-out voices ca_ff x held-out noises hum-rec" in from_run[0][0]

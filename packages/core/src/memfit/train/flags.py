@@ -121,7 +121,7 @@ def add_eval_args(
             "--out",
             default=None,
             help="output folder (default: <run folder>/eval; for an exported model, which is never written "
-            f"to: --runs_dir/{system}/{EXPORTED}/<its folder name>/eval"
+            f"to: --runs_dir/{system}/{EXPORTED}/<its folder name>-<8 hex digits of its path>/eval"
             + (f"; for the shipped weights: --runs_dir/{system}/shipped/eval)" if shipped else ")"),
         )
         g.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
@@ -130,12 +130,22 @@ def add_eval_args(
     return parser
 
 
+def export_eval_name(folder: Path) -> str:
+    """The folder under --runs_dir/<system>/exported/ that holds an exported model's eval results: its
+    folder name and 8 hex digits of its absolute path, so two exports that share a name (x/model and
+    y/model) never replace each other's results, and the same export's next eval replaces its own."""
+    import hashlib
+
+    where = str(Path(folder).resolve())
+    return f"{Path(where).name}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
+
+
 def eval_out_dir(
     args: argparse.Namespace, run_path: Path, inputs: tuple = (), name: str | None = None
 ) -> Path:
     """--out, or <run folder>/eval (the run's own: a new eval replaces its files); created here so an
     unwritable location fails before the work. An exported folder (the shipped weights among them) is
-    read, never written: its results go to --runs_dir/<system>/exported/<its folder name>/eval, a folder
+    read, never written: its results go to --runs_dir/<system>/exported/<export_eval_name>/eval, a folder
     no run can have (`train` refuses the run name "exported"), so an export named like a run never
     replaces that run's results; `name` (e.g. "shipped", itself a name no run can have) puts them in
     --runs_dir/<system>/<name>/eval instead. --out may not lie inside an input (`inputs`, e.g. --data, and
@@ -148,7 +158,7 @@ def eval_out_dir(
     if args.out:
         out = Path(args.out)
     elif exported:
-        where = [name] if name else [EXPORTED, model_folder.resolve().name]
+        where = [name] if name else [EXPORTED, export_eval_name(model_folder)]
         out = Path(args.runs_dir, args.eval_system, *where, "eval")
     else:
         out = model_folder / "eval"

@@ -470,6 +470,13 @@ class TrainParser:
         )
         self._loop_added = False
 
+    def _absolute(self, dest: str, value: Any) -> Any:
+        """A file flag's value as an absolute path (``~`` expanded); its words (``synthetic``), None and
+        "" as they are."""
+        if not isinstance(value, str) or not value or value in self.files[dest]:
+            return value
+        return os.path.abspath(os.path.expanduser(value))
+
     # -- declaring flags ---------------------------------------------------------------------------
     def group(self, title: str) -> argparse._ArgumentGroup:
         return self.parser.add_argument_group(title)
@@ -665,8 +672,8 @@ class TrainParser:
                 value = getattr(args, dest)
                 if dest in self.expand:
                     flags.update({f"{path}.{k}": v for k, v in value.items()})
-                elif dest in self.files and value and value not in self.files[dest]:
-                    flags[path] = os.path.abspath(os.path.expanduser(value))
+                elif dest in self.files:
+                    flags[path] = self._absolute(dest, value)
                 else:
                     flags[path] = value
         if not args.resume:
@@ -699,6 +706,13 @@ class TrainParser:
             for section in ("model", "train", "loop"):
                 if file[section]:
                     file_changes[section] = file[section]
+            for dest in self.files:  # a path in a config file is opened from here too: stored absolute
+                *parents, key = self.paths[dest].split(".")
+                where = file_changes
+                for name in parents:
+                    where = where.get(name) if isinstance(where, dict) else None
+                if isinstance(where, dict) and isinstance(where.get(key), str):
+                    where[key] = self._absolute(dest, where[key])
         device_name = flags.get("loop.device", (file or {}).get("loop", {}).get("device", "auto"))
         device = resolve_device(device_name)
         preset = (file or {}).get("preset") or (config if file is None else None) or self.default
