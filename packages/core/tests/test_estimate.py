@@ -553,6 +553,12 @@ def test_nothing_fits_with_explain_prints_the_what_ifs_and_never_a_smaller_batch
     assert err.count("\n") == 1 and "the what-ifs above say what would shrink it" in err, err
     code, out, err = _run(capsys, f"{f}:make", "--input", "64x256", "--gpu_gib", "1e-6")
     assert code == 2 and out == "" and "try --explain" in err, err
+    code, out, err = _run(
+        capsys, f"{f}:make", "--input", "64x256", "--gpu_gib", "1e-6", "--explain", "--json"
+    )
+    doc = json.loads(out)  # stdout is the JSON report alone, what-ifs included
+    assert code == 2 and doc["fit"]["batch"] == 0 and doc["what_ifs"], out
+    assert "the what-ifs in the JSON say what would shrink it" in err and "try --explain" not in err, err
 
 
 def test_fit_refuses_a_variant_it_cannot_fit_in_one_line(capsys):
@@ -844,6 +850,9 @@ def test_python_api_returns_the_cli_json(capsys):
         ({"margin": 0.2}, "error: margin is the share of the memory kept free"),
         ({"lora": 0}, "error: lora"),
         ({"accumulate": 0}, "error: accumulate"),
+        ({"lora": "x"}, "e.g. lora=16 or lora='16:q_proj,v_proj'"),
+        ({"max_batch": 0}, "ranks, top and max_batch must be at least 1"),
+        ({"dtype": "float16"}, "addmm of float16 and float32 tensors"),
     ],
 )
 def test_python_api_refuses_a_wrong_type_or_choice_in_one_line(kw, message):
@@ -854,6 +863,25 @@ def test_python_api_refuses_a_wrong_type_or_choice_in_one_line(kw, message):
         memfit.estimate(lambda: nn.Linear(8, 4), "2x8", **kw)
     assert message in str(info.value) and "\n" not in str(info.value)
     assert "--" not in str(info.value), info.value
+
+
+def test_python_api_names_lora_modules_as_a_keyword_and_searches_to_max_batch():
+    import memfit
+    from memfit.errors import UsageError
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc2(self.fc1(x))
+
+    pytest.importorskip("peft")
+    with pytest.raises(UsageError, match=r"e\.g\. lora='16:fc1,fc2' \(its Linear layers"):
+        memfit.estimate(Two, "4x8", lora=16)
+    fit = memfit.estimate(Two, "4x8", gpu_gib=1, max_batch=16).fit
+    assert (fit.batch, fit.capped) == (16, True)
 
 
 def test_python_api_takes_an_optimizer_class_as_its_name():

@@ -169,6 +169,7 @@ def estimate_model(
     optimizer: str | type[torch.optim.Optimizer] | None = None,
     accumulate: int | None = None,
     fsdp_units: str | None = None,
+    max_batch: int = 4096,
 ) -> EstimateResult:
     """``memfit.estimate(...)``: the training-step memory of a model, from a notebook.
 
@@ -179,7 +180,8 @@ def estimate_model(
     applies to inputs without one (default: token ids when the first layer is an ``nn.Embedding``, else
     float32); ``loss``: "classes", "same" or "sum" (as ``--target``); ``amp``: None, "bf16" or "fp16";
     ``device``: "cpu" or "cuda" (the kernels a CUDA run takes); ``explain``: the what-ifs (and the batch
-    scaling); ``gpu_gib``: the largest batch under that GPU size; ``ranks`` / ``shard``: per-rank figures.
+    scaling); ``gpu_gib``: the largest batch under that GPU size (the search stops at ``max_batch``);
+    ``ranks`` / ``shard``: per-rank figures.
     ``fsdp_units`` (shard "fsdp"): a regular expression naming the modules FSDP wraps (``--fsdp_units``).
     ``cuda_kernels`` (device "cuda"): whether the GPU has the ``cuda`` extra's Mamba kernels (None: what
     this machine's GPU has, or yes without one; ``--no_cuda_kernels`` is False). ``gpu`` (device "cuda"):
@@ -212,14 +214,15 @@ KEYWORDS = {
         f"--{k}": k
         for k in (
             *("dtype", "amp", "device", "scale", "gpu_gib", "margin", "ranks", "shard", "top", "gpu"),
-            *("task", "lora", "freeze", "optimizer", "accumulate", "fsdp_units"),
+            *("task", "lora", "freeze", "optimizer", "accumulate", "fsdp_units", "max_batch"),
         )
     },
 }
 _FLAG = re.compile(
     r"--(?P<flag>[a-z_]+)(?![a-z_])"
     # a value after it: quoted, a number or shape, a placeholder (N, REGEX), or a choice
-    r"(?: (?P<value>'[^']*'|\d(?:[^\s,;)]*[^\s,;):.])?|[A-Z][A-Z_]*\b(?![a-z])|bf16|fp16|cuda|cpu|fsdp|ddp)"
+    r"(?: (?P<value>'[^']*'|\d(?:[^\s;)]*[^\s,;):.])?|[A-Z][A-Z_]*(?:x[A-Z][A-Z_]*)*\b(?![a-z])"
+    r"|bf16|fp16|cuda(?::\d+)?|cpu|fsdp|ddp|b?float\d+|u?int\d+)"
     r"(?=[\s,;:.)]|$))?"
 )
 
@@ -273,7 +276,11 @@ def _estimate_model(
     optimizer,
     accumulate,
     fsdp_units,
+    max_batch,
 ) -> EstimateResult:
+    # the numbers first, before a model is built (an hf: model takes seconds)
+    _check_types(gpu_gib, 0.0 if margin is None else margin, ranks, top, max_batch)
+    margin = margin_or_default(margin, gpu_gib, explain)
     ft = finetune.parse(lora, freeze, optimizer, accumulate)
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
@@ -303,10 +310,11 @@ def _estimate_model(
             what_ifs=explain,
             scale=scale,
             gpu_gib=gpu_gib,
-            margin=margin_or_default(margin, gpu_gib, explain),
+            margin=margin,
             ranks=ranks,
             shard=shard,
             fsdp_units=fsdp_units,
+            max_batch=max_batch,
         )
 
 

@@ -32,10 +32,23 @@ def _main(args) -> int:
 def _estimate_command(args) -> int:
     """The report printed; with --json what the target itself prints goes to stderr, so that stdout is
     exactly the JSON object."""
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        report = _report(args)
+    try:
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            report = _report(args)
+    except NothingFits as e:  # the what-ifs asked for are printed, then the one error line
+        print(e.report)
+        raise UsageError(str(e)) from None
     print(report)
     return 0
+
+
+class NothingFits(UsageError):
+    """Not even the smallest batch fits --gpu_gib, with --explain: ``report`` (the text or JSON asked for,
+    the what-ifs in it) is printed on stdout before the error line."""
+
+    def __init__(self, message: str, report: str) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 def _report(args) -> str:
@@ -75,17 +88,15 @@ def _report(args) -> str:
     fit = result.fit
     if fit is not None and fit.batch == 0:
         needs = "of the card (reserved + CUDA context)" if fit.cuda else "per rank"
-        if (
-            args.explain and not args.json
-        ):  # the what-ifs were asked for: the report says what would shrink it
-            print(result.format())
-            hint = "the what-ifs above say what would shrink it"
-        else:
-            hint = "try --explain for what would shrink it"
-        raise UsageError(
+        line = (
             f"error: nothing fits {args.gpu_gib:g} GiB ({100 * margin:g}% margin): batch {fit.smallest} "
-            f"needs {fmt_bytes(fit.peak_bytes)} {needs}; {hint}"
+            f"needs {fmt_bytes(fit.peak_bytes)} {needs}; "
         )
+        if args.explain:  # the what-ifs were asked for: printed, they say what would shrink it
+            where = "in the JSON" if args.json else "above"
+            report = result.to_json() if args.json else result.format()
+            raise NothingFits(f"{line}the what-ifs {where} say what would shrink it", report)
+        raise UsageError(f"{line}try --explain for what would shrink it")
     if args.timeline:
         result.timeline(args.timeline)
         print(f"memfit estimate: wrote the timeline to {args.timeline}", file=sys.stderr)

@@ -25,7 +25,7 @@ from memfit.train.metrics_log import read_rows
 from memfit.train.outputs import pid_alive, remove_stale_temps, write_file
 
 LOCK_NAME = ".lock"
-DYING_S = 5.0  # how long a surviving rank waits for a lost rank 0 (the lock's holder) to finish exiting
+DYING_S = 3.0  # how long a surviving rank waits for a lost rank 0 (the lock's holder) to finish exiting
 METRICS_NAME = "metrics.jsonl"
 
 
@@ -190,6 +190,11 @@ class RunFolder:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.05)
+        try:  # still the dead holder's lock, not one a trainer restarted meanwhile has taken
+            if self.lock.read_text().strip() != str(pid):
+                return False
+        except OSError:
+            return False
         self.lock.unlink(missing_ok=True)
         remove_stale_temps(self.path, "an interrupted save")
         return True
