@@ -878,8 +878,9 @@ def test_python_api_names_lora_modules_as_a_keyword_and_searches_to_max_batch():
             return self.fc2(self.fc1(x))
 
     pytest.importorskip("peft")
-    with pytest.raises(UsageError, match=r"e\.g\. lora='16:fc1,fc2' \(its Linear layers"):
-        memfit.estimate(Two, "4x8", lora=16)
+    for model in (Two, Two()):  # a factory, or a built model (copied, built for real, then faked)
+        with pytest.raises(UsageError, match=r"e\.g\. lora='16:fc1,fc2' \(its Linear layers"):
+            memfit.estimate(model, "4x8", lora=16)
     fit = memfit.estimate(Two, "4x8", gpu_gib=1, max_batch=16).fit
     assert (fit.batch, fit.capped) == (16, True)
 

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_flatten
 
+from memfit.errors import UsageError
 from memfit.estimate import rules, workspaces
 from memfit.estimate.cuda_memory import CudaFigures
 from memfit.step import TrainStep
@@ -644,6 +645,8 @@ def build_model(step: TrainStep, tracker: _StorageTracker) -> nn.Module:
     with _disable_current_modes(), torch.device("cpu"), _SkipLargeWrites():
         try:
             model = step.build_model()
+        except UsageError:  # ours, one line (a --lora peft refuses): the fake attempt's error was a symptom
+            raise
         except Exception:
             raise first from None
     return _to_fake(model, tracker.fake_mode)
