@@ -20,7 +20,8 @@ cameras.json: {"input": "000.png",                      (optional; default: the 
                           ...]}                                                       y down, z forward)
 Images are square RGB or RGBA (composited on white), image_size x image_size, the object inside
 [-1, 1]^3 (world up +z). `memfit run moremouse-triplane make-data OUT` writes synthetic scenes in it
-(OUT new or empty, or --overwrite to replace the scenes make-data wrote there before).
+(OUT new or empty, or --overwrite to replace the scenes make-data wrote there before: those listed in
+its hidden record OUT/.make-data.json; nothing else in OUT is ever removed).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 from memfit.errors import UsageError
-from memfit.train.outputs import output_dir, pid_alive
+from memfit.train.outputs import output_dir, pid_alive, remove_stale_temps
 from PIL import Image
 
 from moremouse_triplane.config import SPLIT_IDS
@@ -455,62 +457,196 @@ def export_main(argv: list[str] | None = None) -> None:
     make_data(make_data_args(argv))
 
 
-# What export_scenes writes in a scene folder: a folder holding only these is make-data's, and --overwrite
-# may remove it; any other file there may be someone's renders, which make-data never removes.
+# What export_scenes writes in a scene folder; a scene folder holding anything else is not all make-data's.
 MADE_FILES = re.compile(r"^(cameras\.json|\d{3}\.png)$")
-TEMP_DIR = re.compile(r"^\.make-data\.tmp(?P<pid>\d+)$")  # scenes being written, renamed into OUT at the end
+SCENE_NAME = re.compile(r"^scene_\d{3,}$")
+# Inside OUT, make-data's hidden folders: .make-data.tmpPID holds the new scenes until they are moved into
+# place, .make-data.oldPID the old ones an --overwrite moved aside until the new ones are all in.
+TEMP_DIR = re.compile(r"^\.make-data\.(?P<kind>tmp|old)(?P<pid>\d+)$")
+# make-data's record in OUT: {"scenes": the scene folders it wrote there, "seed", "image_size", "split"},
+# and while an --overwrite swaps them, "swap": {"pid", "new": names moving in, "old": names moved aside}.
+# --overwrite removes only folders on this list; a folder without it is never removed from.
+MARKER = ".make-data.json"
 
 
-def _old_scenes(out: Path) -> list[Path]:
-    """The scene folders of OUT that --data would read (hidden ones aside); UsageError for one that holds
-    files make-data does not write (--overwrite never removes what it cannot write again)."""
-    scenes = sorted(p.parent for p in out.glob("*/cameras.json") if not p.parent.name.startswith("."))
-    for d in scenes:
-        foreign = [f.name for f in d.iterdir() if not (f.is_file() and MADE_FILES.match(f.name))]
-        if foreign:
-            raise UsageError(
-                f"error: --overwrite: {d} holds {foreign[0]!r}, which make-data does not write (renders of "
-                "your own?); move that scene out of OUT, or choose another OUT"
-            )
-    return scenes
+def _bad_marker(path: Path, why: str) -> UsageError:
+    return UsageError(
+        f"error: {path} is not make-data's record of its scenes ({why}); remove it, or choose another OUT"
+    )
+
+
+def _read_marker(out: Path) -> dict[str, Any] | None:
+    """OUT's record of the scenes make-data wrote there (MARKER), checked; None where there is none."""
+    path = out / MARKER
+    if not os.path.lexists(path):
+        return None
+    if path.is_symlink() or not path.is_file():
+        raise _bad_marker(path, "a link or a folder")
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _bad_marker(path, f"unreadable: {e}") from None
+
+    def names(v: Any) -> bool:
+        return isinstance(v, list) and all(isinstance(n, str) and SCENE_NAME.match(n) for n in v)
+
+    if not isinstance(m, dict) or not names(m.get("scenes")):
+        raise _bad_marker(path, "no list of scene_NNN folders")
+    swap = m.get("swap")
+    if swap is not None and not (
+        isinstance(swap, dict)
+        and type(swap.get("pid")) is int
+        and names(swap.get("new"))
+        and names(swap.get("old"))
+    ):
+        raise _bad_marker(path, "a broken 'swap'")
+    return m
+
+
+def _write_marker(out: Path, marker: dict[str, Any]) -> None:
+    tmp = out / f"{MARKER}.tmp{os.getpid()}"  # .make-data.json.tmpPID: the record is replaced whole
+    tmp.write_text(json.dumps(marker, indent=1) + "\n")
+    tmp.replace(out / MARKER)
+
+
+def _foreign(d: Path) -> str | None:
+    """The first entry of scene folder d that make-data does not write (a link, a folder, another file)."""
+    for f in sorted(d.iterdir()):
+        if f.is_symlink() or not f.is_file() or not MADE_FILES.match(f.name):
+            return f.name
+    return None
+
+
+def _is_made_scene(d: Path) -> bool:
+    """Whether d is a real folder (no link) named scene_NNN that holds only what export_scenes writes."""
+    return SCENE_NAME.match(d.name) is not None and not d.is_symlink() and d.is_dir() and _foreign(d) is None
 
 
 def _remove_scene(d: Path) -> None:
+    """Remove a scene folder that _is_made_scene: its files (never followed: none is a link), then it."""
     for f in d.iterdir():
         f.unlink()
     d.rmdir()
 
 
+def _roll_back(out: Path, marker: dict[str, Any]) -> int:
+    """Undo an --overwrite's swap recorded in OUT's marker: the new scenes that got in go, the old ones
+    come back from .make-data.oldPID, and the marker lists the old ones again. Returns how many came back.
+
+    The old scenes all go aside before any new one comes in, so a name in OUT is a new scene where its old
+    one is aside, or where it had no old one (a name taken by anything else was refused before the swap)."""
+    swap = marker["swap"]
+    aside = out / f".make-data.old{swap['pid']}"
+    back = sorted(p.name for p in aside.iterdir()) if aside.is_dir() and not aside.is_symlink() else []
+    for name in swap["new"]:
+        d = out / name
+        if (name in back or name not in swap["old"]) and _is_made_scene(d):
+            _remove_scene(d)
+    for name in back:
+        (aside / name).rename(out / name)
+    _write_marker(out, {k: v for k, v in marker.items() if k != "swap"})
+    return len(back)
+
+
+def _clean_up(out: Path, pid: int) -> int:
+    """Finish what make-data `pid` (this one failing, or one that was killed) left in OUT: a swap half
+    done is rolled back; its hidden folders go. Returns how many old scenes were put back."""
+    marker = _read_marker(out)
+    restored = 0
+    if marker is not None and marker.get("swap", {}).get("pid") == pid:
+        restored = _roll_back(out, marker)
+    for kind in ("old", "tmp"):  # what is left aside once the new scenes are in, and unfinished new ones
+        d = out / f".make-data.{kind}{pid}"
+        if d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d)
+    (out / f"{MARKER}.tmp{pid}").unlink(missing_ok=True)
+    return restored
+
+
+def _clean_up_killed(out: Path) -> None:
+    """Before OUT is looked at: what a killed make-data left there (its pid gone), said in one line each."""
+    marker = _read_marker(out)
+    swap = marker.get("swap") if marker else None
+    if swap:  # (one of this pid is an earlier process's: this one has not begun yet)
+        if swap["pid"] != os.getpid() and pid_alive(swap["pid"]):
+            raise UsageError(
+                f"error: make-data (pid {swap['pid']}) is replacing the scenes of {out}; wait for it to "
+                "finish, or choose another OUT"
+            )
+        n = _clean_up(out, swap["pid"])
+        print(
+            f"[memfit] undid the make-data --overwrite (pid {swap['pid']}) killed while it replaced the "
+            f"scenes of {out}: its new scenes removed, the {n} old one{'' if n == 1 else 's'} put back",
+            file=sys.stderr,
+        )
+    for p in sorted(out.iterdir()):
+        m = TEMP_DIR.match(p.name)
+        dead = m is not None and (int(m["pid"]) == os.getpid() or not pid_alive(int(m["pid"])))
+        if dead and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+            print(f"[memfit] removed {p}, left by a make-data that was killed", file=sys.stderr)
+    remove_stale_temps(out, "a make-data that was killed")  # .make-data.json.tmpPID
+
+
 def make_data(args: argparse.Namespace) -> None:
     """`make-data`'s work: write the scenes its flags ask for, and say where.
 
-    OUT must be new or empty unless --overwrite (memfit.train.outputs.output_dir). The scenes are written
-    into a hidden folder inside OUT and moved into place at the end, after the old scenes are removed: OUT
-    holds the old scenes or the new ones, never a mix. On a failure (Ctrl-C included) the hidden folder
-    goes, and so does OUT where this command created it (memfit.errors.make_folders)."""
+    OUT must be new or empty unless --overwrite (memfit.train.outputs.output_dir). make-data removes only
+    what it can tell it wrote: the scene folders listed in OUT's MARKER that are still real folders holding
+    only its files. A name a new scene needs, taken by anything else, is refused before any work; other
+    files and folders in OUT stay (an OUT without the marker: real renders, or an older make-data's scenes,
+    loses nothing). The new scenes are written into a hidden folder inside OUT; then the old ones are moved
+    aside, the new ones in, the marker updated, and only then the old ones removed: a failure (Ctrl-C
+    included) before that puts the old scenes back, so OUT holds the old scenes or the new ones, never a
+    mix. What a killed make-data left is cleaned up by the next one. The folders this command created go
+    again on a failure (memfit.errors.make_folders)."""
     out = Path(args.out)
-    output_dir(out, overwrite=args.overwrite, flag="OUT")  # created, and removed again if this fails
-    tmp = out / f".make-data.tmp{os.getpid()}"
+    if out.is_dir():
+        _clean_up_killed(out)
+    alone = out.is_dir() and all(p.name == MARKER for p in out.iterdir())  # a record of no scene: empty
+    output_dir(out, overwrite=args.overwrite or alone, flag="OUT")  # created, and removed if this fails
+    recorded = _read_marker(out)
+    marker = recorded or {"scenes": []}
+    old = []  # the listed scenes that are make-data's still: these are replaced
+    for name in marker["scenes"]:
+        d = out / name
+        if d.is_symlink() or not d.is_dir():
+            continue  # gone, or not a folder make-data wrote any more: not removed (refused if in the way)
+        if (f := _foreign(d)) is not None:
+            raise UsageError(
+                f"error: --overwrite: {d} holds {f!r}, which make-data does not write (renders of your "
+                "own?); move that scene out of OUT, or choose another OUT"
+            )
+        old.append(name)
+    new = [f"scene_{i:03d}" for i in range(args.num_scenes)]
+    for name in new:
+        if os.path.lexists(taken := out / name) and name not in old:
+            if recorded is None:
+                why = f"no {MARKER} in OUT lists the scenes make-data wrote there (renders of your own?)"
+            elif name not in recorded["scenes"]:
+                why = f"it is not on the list of scenes make-data wrote there ({out / MARKER})"
+            else:
+                why = "make-data wrote a folder there, but this is a link or a file"
+            raise UsageError(
+                f"error: --overwrite: {taken} is in the way of a new scene and is not make-data's to remove: "
+                f"{why}; move it out of OUT, or choose another OUT"
+            )
+    pid = os.getpid()
+    tmp, aside = out / f".make-data.tmp{pid}", out / f".make-data.old{pid}"
     try:
-        for stale in out.iterdir():  # left by a make-data that was killed
-            m = TEMP_DIR.match(stale.name)
-            if m and stale.is_dir() and not pid_alive(int(m["pid"])):
-                shutil.rmtree(stale, ignore_errors=True)
-        old = _old_scenes(out)
-        for i in range(args.num_scenes):  # a new scene's name taken by what is not an old scene
-            if (taken := out / f"scene_{i:03d}").exists() and taken not in old:
-                raise UsageError(
-                    f"error: --overwrite: {taken} is in the way and is not a scene make-data wrote; move it "
-                    "out of OUT, or choose another OUT"
-                )
         export_scenes(tmp, args.num_scenes, args.image_size, args.seed, args.split)
-        for d in old:
-            _remove_scene(d)
-        for d in sorted(tmp.iterdir()):
-            d.rename(out / d.name)
-        tmp.rmdir()
+        _write_marker(out, {**marker, "swap": {"pid": pid, "new": new, "old": old}})  # how to roll back
+        if old:
+            aside.mkdir()
+        for name in old:
+            (out / name).rename(aside / name)
+        for name in new:
+            (tmp / name).rename(out / name)
+        made = {"scenes": new, "seed": args.seed, "image_size": args.image_size, "split": args.split}
+        _write_marker(out, made)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _clean_up(out, pid)
         raise
-    replaced = f" (replacing its {len(old)} old scenes)" if old else ""
+    _clean_up(out, pid)  # the old scenes moved aside, and the emptied hidden folder
+    replaced = f" (replacing its {len(old)} old scene{'' if len(old) == 1 else 's'})" if old else ""
     print(f"wrote {args.num_scenes} scene{'' if args.num_scenes == 1 else 's'} to {out}{replaced}")

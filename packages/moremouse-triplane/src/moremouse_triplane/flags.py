@@ -57,8 +57,10 @@ def make_data_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the scenes of a non-empty OUT: its scene folders that make-data wrote are removed "
-        "(no scene of an earlier run is left to mix in); its other files stay",
+        help="write into a non-empty OUT: the scene_NNN folders an earlier make-data wrote there (listed "
+        "in OUT/.make-data.json, still real folders holding only its cameras.json and NNN.png) are "
+        "removed, so no old scene mixes with the new ones; nothing else is removed (other files and "
+        "folders, links, an OUT without that list); a new scene's name taken by anything else is refused",
     )
     args = p.parse_args(argv)
     check_numbers(args, num_scenes=">=1", image_size=">=1")
