@@ -953,3 +953,27 @@ def test_sdpa_what_if_notices_the_math_path_fallback():
     t.device = "cuda"
     cuda = trace_target(t)
     assert not [r for r in cuda.at_peak() if r[4][-2:] == (128, 128)]
+
+
+@pytest.mark.parametrize(
+    "line,python",
+    [
+        ("--gpu_gib must be a positive number", "gpu_gib must be a positive number"),
+        ("e.g. --input 8x3x224x224", "e.g. inputs='8x3x224x224'"),
+        ("needs one --input BATCHxTOKENS; e.g. 8x1024", "needs one inputs='BATCHxTOKENS'; e.g. 8x1024"),
+        ("--shard fsdp splits; give --ranks N, N > 1", "shard='fsdp' splits; give ranks=N, N > 1"),
+        ("e.g. --lora 16:fc1,fc2 (its Linear layers", "e.g. lora='16:fc1,fc2' (its Linear layers"),
+        ("--lora 0: the rank", "lora=0: the rank"),
+        ("--dtype float16 makes", "dtype='float16' makes"),
+        ("--device cuda:1 is not", "device='cuda:1' is not"),
+        ("--gpu 8.6 names", "gpu='8.6' names"),
+        ("--margin without --gpu_gib or --explain", "margin without gpu_gib or explain=True"),
+        ("--no_cuda_kernels is about", "cuda_kernels=False is about"),
+        ("--ranks, --top and --max_batch", "ranks, top and max_batch"),
+        ("--timeline needs a .png name", "--timeline needs a .png name"),  # no keyword: the flag stays
+    ],
+)
+def test_python_api_errors_name_keywords_where_the_command_line_names_flags(line, python):
+    from memfit.estimate.api import in_python_terms
+
+    assert in_python_terms(f"error: {line}") == f"error: {python}"

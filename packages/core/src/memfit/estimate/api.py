@@ -238,7 +238,8 @@ def in_python_terms(message: str) -> str:
             return m[0]
         if value is None or "=" in name:
             return name + ("" if value is None else " " + value)
-        if not (value.startswith("'") or value.isupper() or _is_number(value)):
+        text_only = name in ("gpu", "dtype", "device", "task", "scale")  # gpu="8.6": a string, not a number
+        if not (value.startswith("'") or value.isupper() or (_is_number(value) and not text_only)):
             value = repr(value)
         return f"{name}={value}"
 
