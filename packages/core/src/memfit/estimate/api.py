@@ -198,9 +198,47 @@ def estimate_model(
     Bad input raises ``memfit.errors.UsageError``: one line that names the keyword (``gpu_gib``, not the
     command line's ``--gpu_gib``) and the fix.
     """
-    try:
-        return _estimate_model(**locals())
-    except UsageError as e:  # the shared checks speak the command line's flags: say the keywords here
+    try:  # the shared checks speak the command line's flags: say the keywords here
+        # the numbers first, before a model is built (an hf: model takes seconds)
+        _check_types(gpu_gib, 0.0 if margin is None else margin, ranks, top, max_batch)
+        margin = margin_or_default(margin, gpu_gib, explain)
+        ft = finetune.parse(lora, freeze, optimizer, accumulate)
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        amp_name = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp, amp)  # type: ignore[arg-type]
+        if amp_name not in ("none", "bf16", "fp16") or loss not in ("classes", "same", "sum"):
+            raise UsageError(
+                "error: amp is None, 'bf16' or 'fp16' and loss 'classes', 'same' or 'sum'; got "
+                f"{amp!r}, {loss!r}"
+            )
+        texts = None if inputs is None else _input_texts(inputs)
+        if isinstance(model, str):
+            target = load_target(model, texts, dtype, loss, amp_name, task=task)
+        else:
+            if task is not None:
+                raise UsageError("error: task picks a Hugging Face model's head: give model as 'hf:ORG/NAME'")
+            if texts is None:
+                raise UsageError(
+                    "error: memfit.estimate(model, inputs) needs the input shape, e.g. '8x3x224x224'"
+                )
+            target = _module_target(model, texts, dtype, loss, amp_name)
+        on = DeviceTarget.from_flags(device, gpu, cuda_kernels)
+        target.device = on.device
+        target = finetune.apply(target, ft)
+        with on.entered():
+            return estimate(
+                target,
+                top,
+                what_ifs=explain,
+                scale=scale,
+                gpu_gib=gpu_gib,
+                margin=margin,
+                ranks=ranks,
+                shard=shard,
+                fsdp_units=fsdp_units,
+                max_batch=max_batch,
+            )
+    except UsageError as e:
         raise UsageError(in_python_terms(str(e))) from None
 
 
@@ -252,71 +290,6 @@ def _is_number(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _estimate_model(
-    model,
-    inputs,
-    *,
-    dtype,
-    loss,
-    amp,
-    device,
-    explain,
-    scale,
-    gpu_gib,
-    margin,
-    ranks,
-    shard,
-    top,
-    cuda_kernels,
-    gpu,
-    task,
-    lora,
-    freeze,
-    optimizer,
-    accumulate,
-    fsdp_units,
-    max_batch,
-) -> EstimateResult:
-    # the numbers first, before a model is built (an hf: model takes seconds)
-    _check_types(gpu_gib, 0.0 if margin is None else margin, ranks, top, max_batch)
-    margin = margin_or_default(margin, gpu_gib, explain)
-    ft = finetune.parse(lora, freeze, optimizer, accumulate)
-    if isinstance(dtype, torch.dtype):
-        dtype = str(dtype).removeprefix("torch.")
-    amp_name = {None: "none", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp, amp)  # type: ignore[arg-type]
-    if amp_name not in ("none", "bf16", "fp16") or loss not in ("classes", "same", "sum"):
-        raise UsageError(
-            f"error: amp is None, 'bf16' or 'fp16' and loss 'classes', 'same' or 'sum'; got {amp!r}, {loss!r}"
-        )
-    texts = None if inputs is None else _input_texts(inputs)
-    if isinstance(model, str):
-        target = load_target(model, texts, dtype, loss, amp_name, task=task)
-    else:
-        if task is not None:
-            raise UsageError("error: task picks a Hugging Face model's head: give model as 'hf:ORG/NAME'")
-        if texts is None:
-            raise UsageError(
-                "error: memfit.estimate(model, inputs) needs the input shape, e.g. '8x3x224x224'"
-            )
-        target = _module_target(model, texts, dtype, loss, amp_name)
-    on = DeviceTarget.from_flags(device, gpu, cuda_kernels)
-    target.device = on.device
-    target = finetune.apply(target, ft)
-    with on.entered():
-        return estimate(
-            target,
-            top,
-            what_ifs=explain,
-            scale=scale,
-            gpu_gib=gpu_gib,
-            margin=margin,
-            ranks=ranks,
-            shard=shard,
-            fsdp_units=fsdp_units,
-            max_batch=max_batch,
-        )
 
 
 def _input_texts(inputs: str | tuple[int, ...] | torch.Tensor | list) -> list[str]:
